@@ -1,0 +1,1 @@
+"""A pure-NumPy DLRM with manual backprop, built only from jitkern.ops."""

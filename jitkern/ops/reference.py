@@ -1,0 +1,217 @@
+"""Plain NumPy references for every jitkern op: same names and signatures, no blocking.
+
+Short enough to be obviously right; float64 accumulation where it helps. Tests compare each
+kernel with its reference here, and benchmarks take their baselines from the same place.
+These do no argument validation beyond what NumPy itself does: the kernels' wrappers check.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# --------------------------------------------------------------------------- GEMM family
+
+
+def gemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+    """out = alpha * op(a) @ op(b) + beta * out; a: (M, K) or (K, M), b: (K, N) or (N, K)."""
+    a64 = np.asarray(a, np.float64)
+    b64 = np.asarray(b, np.float64)
+    c = alpha * ((a64.T if trans_a else a64) @ (b64.T if trans_b else b64))
+    if out is not None and beta != 0.0:
+        c = c + beta * np.asarray(out, np.float64)
+    return c.astype(np.float32)
+
+
+def linear_forward(x, w, b=None, *, activation=None, out=None):
+    """y = act(x @ w.T + b); x: (N, K), w: (M, K), b: (M,) -> y: (N, M)."""
+    y = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    if b is not None:
+        y = y + np.asarray(b, np.float64)
+    if activation == "relu":
+        y = np.maximum(y, 0.0)
+    return y.astype(np.float32)
+
+
+def linear_backward(dy, x, w, y=None, *, activation=None):
+    """Gradients of linear_forward; dy, y: (N, M) -> dx (N, K), dw (M, K), db (M,)."""
+    g = np.asarray(dy, np.float64)
+    if activation == "relu":
+        g = np.where(np.asarray(y) > 0, g, 0.0)
+    dx = g @ np.asarray(w, np.float64)
+    dw = g.T @ np.asarray(x, np.float64)
+    db = g.sum(axis=0)
+    return dx.astype(np.float32), dw.astype(np.float32), db.astype(np.float32)
+
+
+def batch_reduce_gemm(a, b, out=None, *, alpha=1.0, beta=0.0):
+    """out = alpha * sum_i a[i] @ b[i] + beta * out; a: (nb, M, K), b: (nb, K, N) -> (M, N)."""
+    c = alpha * np.einsum("imk,ikn->mn", np.asarray(a, np.float64), np.asarray(b, np.float64))
+    if out is not None and beta != 0.0:
+        c = c + beta * np.asarray(out, np.float64)
+    return c.astype(np.float32)
+
+
+# --------------------------------------------------------------------------- embedding bags
+
+
+def _bag_bounds(offsets, nnz, include_last_offset):
+    offsets = np.asarray(offsets, np.int64)
+    if include_last_offset:
+        return offsets[:-1], offsets[1:]
+    ends = np.append(offsets[1:], nnz)
+    return offsets, ends
+
+
+def _bag_scale(starts, ends, nnz, mode, per_sample_weights):
+    """Per-index scale (nnz,): per-sample weight times 1/bag size for mean."""
+    scale = np.ones(nnz) if per_sample_weights is None else np.asarray(per_sample_weights, np.float64).copy()
+    if mode == "mean":
+        for s, e in zip(starts, ends):
+            if e > s:
+                scale[s:e] /= e - s
+    return scale
+
+
+def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_weights=None,
+                          include_last_offset=False, out=None):
+    """Pooled rows per bag; weight: (R, D), indices: (nnz,), offsets: (B,) or (B+1,) -> (B, D)."""
+    w = np.asarray(weight, np.float64)
+    idx = np.asarray(indices, np.int64)
+    starts, ends = _bag_bounds(offsets, len(idx), include_last_offset)
+    scale = _bag_scale(starts, ends, len(idx), mode, per_sample_weights)
+    res = np.zeros((len(starts), w.shape[1]))
+    for bag, (s, e) in enumerate(zip(starts, ends)):
+        if e > s:
+            res[bag] = (w[idx[s:e]] * scale[s:e, None]).sum(axis=0)
+    return res.astype(np.float32)
+
+
+def embedding_bag_backward(indices, offsets, dout, num_rows, *, mode="sum", per_sample_weights=None,
+                           include_last_offset=False):
+    """Coalesced sparse gradient: rows (U,) sorted unique int64, drows (U, D) float32."""
+    idx = np.asarray(indices, np.int64)
+    g = np.asarray(dout, np.float64)
+    starts, ends = _bag_bounds(offsets, len(idx), include_last_offset)
+    scale = _bag_scale(starts, ends, len(idx), mode, per_sample_weights)
+    bag_of = np.repeat(np.arange(len(starts)), ends - starts)
+    contrib = g[bag_of] * scale[:, None]
+    rows, inverse = np.unique(idx, return_inverse=True)
+    drows = np.zeros((len(rows), g.shape[1]))
+    np.add.at(drows, inverse, contrib)
+    return rows.astype(np.int64), drows.astype(np.float32)
+
+
+def embedding_bag_sgd_(weight, indices, offsets, dout, lr, *, mode="sum", per_sample_weights=None,
+                       include_last_offset=False):
+    """In place: weight[rows] -= lr * drows (coalesce, then update). Returns weight."""
+    rows, drows = embedding_bag_backward(indices, offsets, dout, weight.shape[0], mode=mode,
+                                         per_sample_weights=per_sample_weights,
+                                         include_last_offset=include_last_offset)
+    weight[rows] = (weight[rows] - np.float32(lr) * drows).astype(weight.dtype)
+    return weight
+
+
+def embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, eps=1e-8, *, mode="sum",
+                           per_sample_weights=None, include_last_offset=False):
+    """In place row-wise Adagrad (FBGEMM's): state[r] += mean(g_r**2); w_r -= lr g_r / (sqrt(state[r]) + eps)."""
+    rows, drows = embedding_bag_backward(indices, offsets, dout, weight.shape[0], mode=mode,
+                                         per_sample_weights=per_sample_weights,
+                                         include_last_offset=include_last_offset)
+    g = drows.astype(np.float64)
+    state[rows] = (state[rows] + (g * g).mean(axis=1)).astype(state.dtype)
+    step = lr * g / (np.sqrt(state[rows].astype(np.float64))[:, None] + eps)
+    weight[rows] = (weight[rows] - step).astype(weight.dtype)
+    return weight
+
+
+def bf16_split(w):
+    """Split float32 (..., D) into (hi, lo) uint16 halves; hi is the truncated bf16 value."""
+    bits = np.ascontiguousarray(w, np.float32).view(np.uint32)
+    return (bits >> 16).astype(np.uint16), (bits & 0xFFFF).astype(np.uint16)
+
+
+def bf16_join(hi, lo):
+    """Reassemble the exact float32 from its split halves."""
+    bits = (np.asarray(hi).astype(np.uint32) << 16) | np.asarray(lo).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def bf16_to_float32(hi):
+    """The bf16 value the forward reads (the high half, low bits zero) as float32."""
+    return (np.asarray(hi).astype(np.uint32) << 16).view(np.float32)
+
+
+# --------------------------------------------------------------------------- interaction
+
+
+def _stack(x, ly):
+    ly = np.stack(ly, axis=1) if isinstance(ly, (list, tuple)) else np.asarray(ly)
+    return np.concatenate([np.asarray(x)[:, None, :], ly], axis=1)  # (B, F, D)
+
+
+def interaction_pairs(num_features, self_interaction=False):
+    """(li, lj) index arrays of the reference DLRM's pair order: i ascending, then j ascending."""
+    off = 1 if self_interaction else 0
+    li = np.array([i for i in range(num_features) for j in range(i + off)], dtype=np.int64)
+    lj = np.array([j for i in range(num_features) for j in range(i + off)], dtype=np.int64)
+    return li, lj
+
+
+def interaction_dot_forward(x, ly, *, self_interaction=False):
+    """z = [x, tril(T T^t)] with T = [x, ly_0..]; x: (B, D), ly: (B, T, D) -> (B, D + P)."""
+    t = _stack(x, ly).astype(np.float64)
+    zz = t @ t.transpose(0, 2, 1)
+    li, lj = interaction_pairs(t.shape[1], self_interaction)
+    return np.concatenate([np.asarray(x, np.float64), zz[:, li, lj]], axis=1).astype(np.float32)
+
+
+def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
+    """Gradients of interaction_dot_forward: dx (B, D), dly (B, T, D)."""
+    t = _stack(x, ly).astype(np.float64)
+    b, f, d = t.shape
+    dz = np.asarray(dz, np.float64)
+    li, lj = interaction_pairs(f, self_interaction)
+    dzz = np.zeros((b, f, f))
+    np.add.at(dzz, (slice(None), li, lj), dz[:, d:])
+    dt = dzz @ t + dzz.transpose(0, 2, 1) @ t
+    dt[:, 0, :] += dz[:, :d]
+    return dt[:, 0, :].astype(np.float32), dt[:, 1:, :].astype(np.float32)
+
+
+def interaction_cat_forward(x, ly):
+    """z = [x, ly_0, ..., ly_{T-1}] flattened; x: (B, D), ly: (B, T, D) -> (B, D * (T + 1))."""
+    t = _stack(x, ly)
+    return np.ascontiguousarray(t.reshape(t.shape[0], -1), dtype=np.float32)
+
+
+def interaction_cat_backward(dz, x, ly):
+    """Gradients of interaction_cat_forward: dx (B, D), dly (B, T, D)."""
+    t = _stack(x, ly)
+    dt = np.asarray(dz, np.float32).reshape(t.shape)
+    return dt[:, 0, :].copy(), dt[:, 1:, :].copy()
+
+
+# --------------------------------------------------------------------------- loss
+
+
+def sigmoid_bce_forward(logits, labels):
+    """Batch-mean BCE of sigmoid(logits), the stable form; -> (loss float, probs (B,) float32)."""
+    z = np.asarray(logits, np.float64)
+    y = np.asarray(labels, np.float64)
+    per = np.maximum(z, 0.0) - z * y + np.log1p(np.exp(-np.abs(z)))
+    probs = 1.0 / (1.0 + np.exp(-z))
+    return float(per.mean()) if len(z) else 0.0, probs.astype(np.float32)
+
+
+def sigmoid_bce_backward(probs, labels):
+    """dloss/dlogits = (probs - labels) / B."""
+    p = np.asarray(probs, np.float64)
+    return ((p - np.asarray(labels, np.float64)) / max(len(p), 1)).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- dense optimizers
+
+
+def sgd_(param, grad, lr):
+    """In place: param -= lr * grad. Returns param."""
+    param -= np.float32(lr) * np.asarray(grad, np.float32)
+    return param

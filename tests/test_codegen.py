@@ -1,0 +1,114 @@
+"""The codegen core: target detection, specs, memoised builder, on-disk cache across processes."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from jitkern.codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+from jitkern.codegen.target import VECTOR_WIDTH
+
+
+def test_target_detects_something_sane():
+    t = host_target()
+    assert t.name and t.arch
+    assert t.l1d >= 4096 and t.l2 >= t.l1d and t.l3 >= t.l2 // 4
+    assert t.cores >= 1
+    assert t.isa in VECTOR_WIDTH and t.vector_width == VECTOR_WIDTH[t.isa]
+    assert t.key.startswith(t.arch) and t.feature_hash in t.key
+    if t.arch in ("x86_64", "amd64"):
+        assert ("avx2" in t.features) == (t.detected_isa in ("avx2", "avx512"))
+
+
+def test_isa_override_can_only_lower(monkeypatch):
+    t = host_target()
+    monkeypatch.setenv("JITKERN_ISA", "scalar")
+    assert t.isa == "scalar" and t.vector_width == 1
+    other = "neon" if t.detected_isa != "neon" else "avx512"
+    monkeypatch.setenv("JITKERN_ISA", other)
+    with pytest.raises(ValueError, match="JITKERN_ISA"):
+        t.isa
+    monkeypatch.setenv("JITKERN_ISA", "bogus")
+    with pytest.raises(ValueError, match="JITKERN_ISA"):
+        t.isa
+
+
+def test_spec_is_order_independent_and_hashable():
+    a = KernelSpec.make("op", mr=4, nr=16)
+    b = KernelSpec.make("op", nr=16, mr=4)
+    assert a == b and hash(a) == hash(b)
+    assert a["mr"] == 4 and a.get("kc") is None
+    assert a.replace(mr=6)["mr"] == 6 and a["mr"] == 4
+    with pytest.raises(KeyError):
+        a["kc"]
+    with pytest.raises(TypeError):
+        KernelSpec.make("op", bad=[1, 2])
+
+
+@kernel_factory("_test_scale")
+def _scale_factory(spec):
+    factor = spec["factor"]
+
+    @jit()
+    def scale(x, out):
+        for i in range(x.shape[0]):
+            out[i] = x[i] * factor
+    return scale
+
+
+def test_builder_memoises_and_specialises():
+    s2, s3 = KernelSpec.make("_test_scale", factor=2.0), KernelSpec.make("_test_scale", factor=3.0)
+    assert get_kernel(s2) is get_kernel(KernelSpec.make("_test_scale", factor=2.0))
+    x = np.arange(5, dtype=np.float32)
+    out = np.empty_like(x)
+    get_kernel(s2)(x, out)
+    np.testing.assert_array_equal(out, x * 2)
+    get_kernel(s3)(x, out)
+    np.testing.assert_array_equal(out, x * 3)
+    with pytest.raises(KeyError, match="no kernel factory"):
+        get_kernel(KernelSpec.make("_no_such_op"))
+
+
+def test_second_process_loads_from_disk_cache(tmp_path):
+    """A closure-specialised kernel compiled in one process is loaded, not compiled, in the next."""
+    mod = tmp_path / "cachedmod.py"
+    mod.write_text(textwrap.dedent("""
+        from jitkern.codegen import KernelSpec, get_kernel, jit, kernel_factory
+
+        @kernel_factory("_cache_probe")
+        def factory(spec):
+            k = spec["k"]
+
+            @jit()
+            def f(x):
+                return x * k
+            return f
+
+        def run():
+            f = get_kernel(KernelSpec.make("_cache_probe", k=7))
+            assert f(3.0) == 21.0
+            return sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values())
+    """))
+    code = "import cachedmod; print(*cachedmod.run())"
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               NUMBA_CACHE_DIR=str(tmp_path / "nbcache"))
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    assert first.stdout.split() == ["0", "1"]   # compiled
+    assert second.stdout.split() == ["1", "0"]  # loaded from disk
+
+
+def test_debug_logging_reports_choice_and_cache(monkeypatch, caplog):
+    monkeypatch.setenv("JITKERN_DEBUG", "1")
+    spec = KernelSpec.make("_test_scale", factor=5.0)
+    with caplog.at_level("DEBUG", logger="jitkern"):
+        k = get_kernel(spec)
+        x = np.ones(3, np.float32)
+        k(x, np.empty_like(x))
+        get_kernel(spec)
+    text = caplog.text
+    assert str(spec) in text and ("compiled" in text or "disk cache" in text) and "in-process cache hit" in text
