@@ -1,7 +1,303 @@
-"""PLACEHOLDER until the kernel issue lands: delegates to the NumPy references."""
-from .reference import ( # noqa: F401
-    gemm,
-    linear_forward,
-    linear_backward,
-    batch_reduce_gemm,
-)
+"""GEMM family: blocked float32 GEMM over an FMA register-tile microkernel, with fused epilogues.
+
+One driver serves every op: C (M, N) = epilogue(alpha * op(A) @ op(B) + beta * C), with
+compile-time flags for transposition, bias + ReLU epilogue (forward), and the ReLU mask and
+bias-gradient reduction fused into the packing of A (backward). Blocking (Goto/BLIS style):
+B is packed once into NR-wide k-major panels; each C block (mc rows x nc columns) is one
+parallel task that packs its mc x kc slice of A per KC pass and sweeps the microkernel over it.
+A C block belongs to one task and its K passes run in a fixed order, so results are
+bit-identical run to run and for any thread count.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import numba
+import numpy as np
+from numba import prange
+
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+from ..codegen.simd import fma_tile, tile_code, tile_for
+from ..codegen.tune import gemm_blocks
+
+log = logging.getLogger("jitkern")
+
+_F32 = np.dtype(np.float32)
+
+
+@kernel_factory("gemm")
+def _gemm_factory(spec: KernelSpec):
+    TA, TB = spec["trans_a"], spec["trans_b"]
+    BIAS, RELU, MASK, DB = spec["bias"], spec["relu"], spec["mask"], spec["db"]
+    MR, NR = spec["mr"], spec["nr"]
+    CODE = tile_code(MR, NR, spec["vw"], BIAS, RELU)
+
+    @jit(parallel=True)
+    def gemm_kernel(a, b, c, bias, y, db, m, n, k, alpha, beta, mc, kc, nc):
+        # a: (m, k) or (k, m) if TA; y: like a (ReLU output, MASK); b: (k, n) or (n, k) if TB
+        # c: (m, n) C-contiguous; bias: (n,) if BIAS; db: (m,) out, row sums of masked A (DB)
+        npan = (n + NR - 1) // NR
+        bp = np.empty(npan * max(k, 1) * NR, np.float32)  # panel p, then k, then NR columns
+        for p in prange(npan):
+            base = p * k * NR
+            for r in range(NR):
+                j = p * NR + r
+                if j < n:
+                    for kk in range(k):
+                        bp[base + kk * NR + r] = b[j, kk] if TB else b[kk, j]
+                else:
+                    for kk in range(k):
+                        bp[base + kk * NR + r] = 0.0
+        biasp = np.zeros(npan * NR, np.float32)
+        if BIAS:
+            biasp[:n] = bias
+        cf = c.reshape(m * n)
+        nib = (m + mc - 1) // mc
+        njb = (n + nc - 1) // nc
+        npc = max(1, (k + kc - 1) // kc)
+        for t in prange(nib * njb):
+            ib = t // njb
+            jb = t - ib * njb
+            i0 = ib * mc
+            mcb = min(mc, m - i0)
+            nmp = (mcb + MR - 1) // MR
+            j0 = jb * nc
+            ncb = min(nc, n - j0)
+            ap = np.empty(nmp * MR * max(kc, 1), np.float32)
+            tile = np.empty(MR * NR, np.float32)
+            dbacc = np.zeros(nmp * MR, np.float64)
+            if beta != 0.0 and beta != 1.0:
+                for i in range(i0, i0 + mcb):
+                    for j in range(j0, j0 + ncb):
+                        c[i, j] *= beta
+            for pi in range(npc):
+                p0 = pi * kc
+                kcb = min(kc, k - p0)
+                # pack A[i0:i0+mcb, p0:p0+kcb] as MR-row panels, k-major, zero-padded rows
+                for ip in range(nmp):
+                    for r in range(MR):
+                        i = i0 + ip * MR + r
+                        dst = ip * kcb * MR + r
+                        if i >= i0 + mcb:
+                            for kk in range(kcb):
+                                ap[dst + kk * MR] = 0.0
+                            continue
+                        s = 0.0
+                        for kk in range(kcb):
+                            v = a[p0 + kk, i] if TA else a[i, p0 + kk]
+                            if MASK:
+                                if not ((y[p0 + kk, i] if TA else y[i, p0 + kk]) > 0):
+                                    v = np.float32(0.0)
+                            if DB:
+                                s += v
+                            ap[dst + kk * MR] = v * alpha if alpha != 1.0 else v
+                        if DB:
+                            dbacc[ip * MR + r] += s
+                load = beta != 0.0 or pi > 0
+                epi = pi == npc - 1
+                for jp in range(j0 // NR, (j0 + ncb + NR - 1) // NR):
+                    jj = jp * NR
+                    nrem = min(NR, n - jj)
+                    boff = (jp * k + p0) * NR
+                    for ip in range(nmp):
+                        ii = i0 + ip * MR
+                        mrem = min(MR, i0 + mcb - ii)
+                        aoff = ip * kcb * MR
+                        if mrem == MR and nrem == NR:
+                            fma_tile(CODE, kcb, ap, aoff, bp, boff, cf, ii * n + jj, n, load, epi, biasp, jj)
+                        else:  # edge tile: compute the full tile in a scratch buffer, copy the valid part
+                            if load:
+                                for r in range(mrem):
+                                    for q in range(nrem):
+                                        tile[r * NR + q] = c[ii + r, jj + q]
+                            fma_tile(CODE, kcb, ap, aoff, bp, boff, tile, 0, NR, load, epi, biasp, jj)
+                            for r in range(mrem):
+                                for q in range(nrem):
+                                    c[ii + r, jj + q] = tile[r * NR + q]
+            if DB and jb == 0:
+                for r in range(mcb):
+                    db[i0 + r] = dbacc[r]
+    return gemm_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _isa(forced: str) -> str:
+    return host_target().isa  # reads JITKERN_ISA, which is this cache's key
+
+
+def tile_shape(isa: str | None = None) -> tuple[int, int, int]:
+    """(MR, NR, vector width) the GEMM uses on `isa` (default: the current target ISA)."""
+    return tile_for(isa or _isa(os.environ.get("JITKERN_ISA", "")))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(isa: str, ta: bool, tb: bool, bias: bool, relu: bool, mask: bool, db: bool):
+    mr, nr, vw = tile_for(isa)
+    return get_kernel(KernelSpec.make("gemm", trans_a=ta, trans_b=tb, bias=bias, relu=relu, mask=mask,
+                                      db=db, mr=mr, nr=nr, vw=vw))
+
+
+@functools.lru_cache(maxsize=1024)
+def _blocks(op: str, m: int, n: int, k: int, isa: str, threads: int) -> tuple[int, int, int]:
+    mr, nr, _ = tile_for(isa)
+    return gemm_blocks(op, m, n, k, mr, nr, threads)
+
+
+def clear_block_cache() -> None:
+    """Forget memoised block choices (after the tuning DB changed)."""
+    _blocks.cache_clear()
+
+
+_DUMMY = np.zeros(1, np.float32)
+_DUMMY2 = np.zeros((1, 1), np.float32)
+
+
+def _gemm_into(a, b, c, ta, tb, *, alpha=1.0, beta=0.0, bias=None, relu=False, y=None, db=None,
+               op="gemm", blocks=None):
+    """Run the driver on validated, C-contiguous float32 arrays (c is written)."""
+    m, n = c.shape
+    k = a.shape[0] if ta else a.shape[1]
+    if m == 0 or n == 0:
+        if db is not None:
+            db[:] = 0.0
+        return c
+    isa = _isa(os.environ.get("JITKERN_ISA", ""))
+    threads = numba.get_num_threads()
+    if blocks is None:
+        mc, kc, nc = _blocks(op, m, n, k, isa, numba.get_num_threads())
+    else:  # the tuner's candidates
+        mc, kc, nc = gemm_blocks(op, m, n, k, *tile_for(isa)[:2], numba.get_num_threads(), blocks)
+    args = (a, b, c, _DUMMY if bias is None else bias, _DUMMY2 if y is None else y,
+            _DUMMY if db is None else db, m, n, k, np.float32(alpha), np.float32(beta), mc, kc, nc)
+    flags = (ta, tb, bias is not None, relu, y is not None, db is not None)
+    try:
+        _kernel(isa, *flags)(*args)
+    except numba.core.errors.NumbaError as e:  # dispatch never fails: the portable tile always builds
+        if isa == "scalar":
+            raise
+        log.warning("gemm %s kernel failed to build (%s); using the portable scalar kernel", isa, e)
+        _kernel("scalar", *flags)(*args)
+    return c
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _matrix(name, x, ndim=2):
+    """x as a C-contiguous float32 ndim-array, or a TypeError/ValueError naming `name`."""
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray of float32, got {type(x).__name__}")
+    if x.dtype != _F32:
+        raise TypeError(f"{name} must have dtype float32, got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {x.shape}")
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+
+def _operand(name, x, trans):
+    """A 2-D float32 operand and its transposition flag; an F-ordered view flips the flag, no copy."""
+    if isinstance(x, np.ndarray) and x.ndim == 2 and not x.flags.c_contiguous and x.T.flags.c_contiguous:
+        return _matrix(name, x.T), not trans
+    return _matrix(name, x), trans
+
+
+def _out(name, out, shape):
+    if not isinstance(out, np.ndarray) or out.dtype != _F32:
+        raise TypeError(f"{name} must be a float32 numpy.ndarray, got "
+                        f"{getattr(out, 'dtype', type(out).__name__)}")
+    if out.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{name} must be C-contiguous and writeable")
+    return out
+
+
+def _scalar(name, v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {v!r}") from None
+
+
+def _activation(activation):
+    if activation not in (None, "relu"):
+        raise ValueError(f"activation must be None or 'relu', got {activation!r}")
+    return activation == "relu"
+
+
+# --------------------------------------------------------------------------- public ops
+
+
+def gemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
+    """out = alpha * op(a) @ op(b) + beta * out; a: (M, K) or (K, M), b: (K, N) or (N, K) float32."""
+    a, ta = _operand("a", a, bool(trans_a))
+    b, tb = _operand("b", b, bool(trans_b))
+    alpha, beta = _scalar("alpha", alpha), _scalar("beta", beta)
+    m, ka = (a.shape[1], a.shape[0]) if ta else a.shape
+    kb, n = (b.shape[1], b.shape[0]) if tb else b.shape
+    if ka != kb:
+        raise ValueError(f"inner dimensions differ: op(a) is {m}x{ka} but op(b) is {kb}x{n}")
+    if out is None:
+        out, beta = np.empty((m, n), np.float32), 0.0
+    else:
+        _out("out", out, (m, n))
+    return _gemm_into(a, b, out, ta, tb, alpha=alpha, beta=beta)
+
+
+def linear_forward(x, w, b=None, *, activation=None, out=None):
+    """y = act(x @ w.T + b); x: (N, K), w: (M, K), b: (M,) float32 -> y: (N, M)."""
+    relu = _activation(activation)
+    x, w = _matrix("x", x), _matrix("w", w)
+    n, k = x.shape
+    m = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"w must have shape (M, {k}) to match x {x.shape}, got {w.shape}")
+    if b is not None:
+        b = _matrix("b", b, 1)
+        if b.shape != (m,):
+            raise ValueError(f"b must have shape ({m},), got {b.shape}")
+    y = np.empty((n, m), np.float32) if out is None else _out("out", out, (n, m))
+    return _gemm_into(x, w, y, False, True, bias=b, relu=relu, op="linear_forward")
+
+
+def linear_backward(dy, x, w, y=None, *, activation=None):
+    """Gradients of linear_forward; dy, y: (N, M), x: (N, K), w: (M, K) -> dx (N, K), dw (M, K), db (M,)."""
+    relu = _activation(activation)
+    dy, x, w = _matrix("dy", dy), _matrix("x", x), _matrix("w", w)
+    n, m = dy.shape
+    k = x.shape[1]
+    if x.shape[0] != n:
+        raise ValueError(f"x must have {n} rows like dy {dy.shape}, got {x.shape}")
+    if w.shape != (m, k):
+        raise ValueError(f"w must have shape ({m}, {k}) for dy {dy.shape} and x {x.shape}, got {w.shape}")
+    if relu:
+        if y is None:
+            raise ValueError("y (the forward output) is required with activation='relu'")
+        y = _matrix("y", y)
+        if y.shape != dy.shape:
+            raise ValueError(f"y must have the shape of dy {dy.shape}, got {y.shape}")
+    mask = y if relu else None
+    dx = _gemm_into(dy, w, np.empty((n, k), np.float32), False, False, y=mask, op="linear_dx")
+    db = np.empty(m, np.float32)
+    dw = _gemm_into(dy, x, np.empty((m, k), np.float32), True, False, y=mask, db=db, op="linear_dw")
+    return dx, dw, db
+
+
+def batch_reduce_gemm(a, b, out=None, *, alpha=1.0, beta=0.0):
+    """out = alpha * sum_i a[i] @ b[i] + beta * out; a: (nb, M, K), b: (nb, K, N) float32 -> (M, N)."""
+    a, b = _matrix("a", a, 3), _matrix("b", b, 3)
+    alpha, beta = _scalar("alpha", alpha), _scalar("beta", beta)
+    nb, m, k = a.shape
+    if b.shape[0] != nb or b.shape[1] != k:
+        raise ValueError(f"b must have shape ({nb}, {k}, N) to match a {a.shape}, got {b.shape}")
+    n = b.shape[2]
+    if out is None:
+        out, beta = np.empty((m, n), np.float32), 0.0
+    else:
+        _out("out", out, (m, n))
+    # the batch folds into one long reduction: [a_0 | a_1 | ...] (M, nb*K) @ [b_0; b_1; ...] (nb*K, N)
+    a_cat = np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(m, nb * k)
+    return _gemm_into(a_cat, b.reshape(nb * k, n), out, False, False, alpha=alpha, beta=beta,
+                      op="batch_reduce_gemm")
