@@ -1,0 +1,425 @@
+"""DLRM with manual backprop, composed from jitkern.ops only (no element loops here).
+
+One training step is a chain of small stage methods, each taking and returning explicit arrays
+(activations forward, gradients backward), so a subclass can insert communication between
+stages (the hybrid-parallel DLRM in jitkern.dlrm.dist does):
+
+    bottom_forward -> embedding_forward -> interaction_forward -> top_forward -> loss_forward
+    -> top_backward -> interaction_backward -> bottom_backward -> embedding_update -> dense_update
+
+Activation buffers are allocated once per batch size and reused across steps; the tables are
+never copied (state_dict returns the live fp32 arrays, as torch's does).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+from .. import ops
+
+INTERACTIONS = ("dot", "cat")
+PRECISIONS = ("fp32", "bf16")
+_INIT_CHUNK = 1 << 20          # table rows are drawn in chunks: no float64 copy of a whole table
+
+
+def _into(out, result):
+    """Make sure `result` of an op called with out=`out` lives in `out` (older ops ignore out=)."""
+    if result is not out:
+        np.copyto(out, result)
+    return out
+
+
+class StageTimer:
+    """Accumulated wall time per stage name (the trainer's --profile table)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+class _NullTimer:
+    @contextmanager
+    def __call__(self, name):
+        yield
+
+
+def interaction_width(num_tables: int, dim: int, interaction: str, self_interaction: bool) -> int:
+    """Width of the top MLP's input: D + P for dot (P pairs of the T+1 vectors), D*(T+1) for cat."""
+    f = num_tables + 1
+    if interaction == "cat":
+        return dim * f
+    return dim + (f * (f + 1) // 2 if self_interaction else f * (f - 1) // 2)
+
+
+def _split_table_class():
+    return getattr(ops, "SplitBF16Table", None)
+
+
+class _Buffers:
+    """Activations of one batch size, reused by every step with that size."""
+
+    def __init__(self, model: "DLRM", b: int):
+        self.size = b
+        self.bot = [np.empty((b, n), np.float32) for n in model.bottom_mlp[1:]]
+        self.top = [np.empty((b, n), np.float32) for n in model.top_mlp[1:]]
+        # pooled embeddings, one contiguous (B, D) block per table written in place via out=,
+        # handed to the interaction as a list of T views (no stacking copy)
+        self.pooled = np.empty((model.num_tables, b, model.embedding_dim), np.float32)
+        self.ly = list(self.pooled)
+        self.zero_labels = np.zeros(b, np.float32)
+
+
+class DLRM:
+    """Deep Learning Recommendation Model (dlrm_s_pytorch.py's), trained by plain SGD.
+
+    embedding_sizes: rows per table (T tables); embedding_dim: D;
+    bottom_mlp: [n_dense, ..., D]; top_mlp: [..., 1] without its input width (derived).
+    """
+
+    def __new__(cls, *args, comm=None, **kwargs):
+        if comm is not None and cls is DLRM:
+            try:
+                from .dist import DistributedDLRM
+            except ImportError as e:
+                raise NotImplementedError(
+                    "DLRM(comm=...) needs the hybrid-parallel model jitkern.dlrm.dist.DistributedDLRM, "
+                    f"which this installation lacks ({e}); use comm=None for one process") from None
+            return super().__new__(DistributedDLRM)     # Python then runs its __init__
+        return super().__new__(cls)
+
+    def __init__(self, embedding_sizes, embedding_dim, bottom_mlp, top_mlp, *, interaction="dot",
+                 self_interaction=False, embedding_precision="fp32", seed=0, comm=None):
+        self.embedding_sizes = [int(r) for r in embedding_sizes]
+        self.embedding_dim = int(embedding_dim)
+        self.interaction = interaction
+        self.self_interaction = bool(self_interaction)
+        self.embedding_precision = embedding_precision
+        self.seed = seed
+        self.comm = comm
+        self._check_arch(bottom_mlp, top_mlp)
+        self.bottom_mlp = [int(n) for n in bottom_mlp]
+        width = interaction_width(self.num_tables, self.embedding_dim, interaction, self.self_interaction)
+        self.top_mlp = [width] + [int(n) for n in top_mlp]
+        self.timer = _NullTimer()
+        self._buffers: dict[int, _Buffers] = {}
+        self._init_parameters(np.random.RandomState(seed))
+
+    # ------------------------------------------------------------------ construction
+
+    def _check_arch(self, bottom_mlp, top_mlp):
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(f"interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
+        if self.embedding_precision not in PRECISIONS:
+            raise ValueError(f"embedding_precision must be one of {PRECISIONS}, got {self.embedding_precision!r}")
+        if self.embedding_precision == "bf16" and _split_table_class() is None:
+            raise NotImplementedError("embedding_precision='bf16' needs jitkern.ops.SplitBF16Table, "
+                                      "which this installation lacks")
+        if not self.embedding_sizes:
+            raise ValueError("embedding_sizes must name at least one table")
+        for t, r in enumerate(self.embedding_sizes):
+            if r < 1:
+                raise ValueError(f"embedding_sizes[{t}] (table {t}) must be >= 1 rows, got {r}")
+        if self.embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be >= 1, got {self.embedding_dim}")
+        if len(bottom_mlp) < 2 or len(top_mlp) < 1:
+            raise ValueError("bottom_mlp needs [n_dense, ..., D] (>= 2 sizes), top_mlp at least [1]")
+        if any(int(n) < 1 for n in list(bottom_mlp) + list(top_mlp)):
+            raise ValueError(f"layer sizes must be >= 1: bottom {list(bottom_mlp)}, top {list(top_mlp)}")
+        if int(bottom_mlp[-1]) != self.embedding_dim:
+            raise ValueError(f"bottom_mlp output {bottom_mlp[-1]} != embedding_dim {self.embedding_dim}: "
+                             "the interaction needs equal widths")
+        if int(top_mlp[-1]) != 1:
+            raise ValueError(f"top_mlp must end in 1 output (the click logit), got {top_mlp[-1]}")
+
+    def _init_parameters(self, rs: np.random.RandomState):
+        # Reference order and distributions: tables, then bottom, then top MLP.
+        self.emb = [self._init_table(rs, r) for r in self.embedding_sizes]
+        self.bot_w, self.bot_b = self._init_mlp(rs, self.bottom_mlp)
+        self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
+
+    def _init_table(self, rs, rows):
+        w = np.empty((rows, self.embedding_dim), np.float32)
+        bound = np.sqrt(1.0 / rows)
+        for r0 in range(0, rows, _INIT_CHUNK):
+            r1 = min(rows, r0 + _INIT_CHUNK)
+            w[r0:r1] = rs.uniform(low=-bound, high=bound, size=(r1 - r0, self.embedding_dim))
+        if self.embedding_precision == "bf16":
+            return _split_table_class().from_float32(w)
+        return w
+
+    @staticmethod
+    def _init_mlp(rs, sizes):
+        ws, bs = [], []
+        for n, m in zip(sizes[:-1], sizes[1:]):
+            ws.append(rs.normal(0.0, np.sqrt(2.0 / (m + n)), size=(m, n)).astype(np.float32))
+            bs.append(rs.normal(0.0, np.sqrt(1.0 / m), size=m).astype(np.float32))
+        return ws, bs
+
+    # ------------------------------------------------------------------ properties, state
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.embedding_sizes)
+
+    @property
+    def num_dense(self) -> int:
+        return self.bottom_mlp[0]
+
+    def parameter_bytes(self) -> int:
+        """Bytes of all parameters as stored (a bf16 split table counts both halves)."""
+        dense = sum(a.nbytes for a in self.bot_w + self.bot_b + self.top_w + self.top_b)
+        return dense + sum(_table_nbytes(w) for w in self.emb)
+
+    def state_dict(self) -> dict:
+        """name -> array; fp32 tables and all MLP arrays are the live parameters (no copies)."""
+        sd = {}
+        for t, w in enumerate(self.emb):
+            sd[f"emb.{t}.weight"] = w if isinstance(w, np.ndarray) else w.to_float32()
+        for prefix, ws, bs in (("bot", self.bot_w, self.bot_b), ("top", self.top_w, self.top_b)):
+            for l, (w, b) in enumerate(zip(ws, bs)):
+                sd[f"{prefix}.{l}.weight"] = w
+                sd[f"{prefix}.{l}.bias"] = b
+        return sd
+
+    def state_shapes(self) -> dict:
+        """name -> shape of every parameter (what load_state_dict expects), without building copies."""
+        shapes = {f"emb.{t}.weight": (r, self.embedding_dim) for t, r in enumerate(self.embedding_sizes)}
+        for prefix, sizes in (("bot", self.bottom_mlp), ("top", self.top_mlp)):
+            for l, (n, m) in enumerate(zip(sizes[:-1], sizes[1:])):
+                shapes[f"{prefix}.{l}.weight"] = (m, n)
+                shapes[f"{prefix}.{l}.bias"] = (m,)
+        return shapes
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Copy every parameter from `sd` after checking names, shapes and dtypes (all before any copy)."""
+        shapes = self.state_shapes()
+        missing = sorted(set(shapes) - set(sd))
+        extra = sorted(set(sd) - set(shapes))
+        if missing or extra:
+            raise KeyError(f"state_dict does not match this model: missing {missing[:5]}, unexpected {extra[:5]}")
+        for name, shape in shapes.items():
+            a = sd[name]
+            if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+                raise TypeError(f"state_dict[{name!r}] must be a float32 ndarray, got "
+                                f"{getattr(a, 'dtype', type(a).__name__)}")
+            if a.shape != shape:
+                raise ValueError(f"state_dict[{name!r}] has shape {a.shape}, expected {shape}")
+        for t in range(self.num_tables):
+            src = sd[f"emb.{t}.weight"]
+            if isinstance(self.emb[t], np.ndarray):
+                np.copyto(self.emb[t], src)
+            else:
+                self.emb[t] = _split_table_class().from_float32(src)
+        for prefix, ws, bs in (("bot", self.bot_w, self.bot_b), ("top", self.top_w, self.top_b)):
+            for l in range(len(ws)):
+                np.copyto(ws[l], sd[f"{prefix}.{l}.weight"])
+                np.copyto(bs[l], sd[f"{prefix}.{l}.bias"])
+
+    # ------------------------------------------------------------------ input checks
+
+    def check_batch(self, dense, offsets, indices, labels=None):
+        """Validate one batch; raises a one-line error naming the table/feature and sample."""
+        if not isinstance(dense, np.ndarray) or dense.ndim != 2 or dense.shape[1] != self.num_dense:
+            raise ValueError(f"dense must be (B, {self.num_dense}), got {getattr(dense, 'shape', type(dense))}")
+        b = dense.shape[0]
+        if b < 1:
+            raise ValueError("empty batch (B = 0)")
+        if dense.dtype != np.float32:
+            raise TypeError(f"dense must be float32, got {dense.dtype}")
+        if not np.isfinite(dense).all():
+            row, col = np.argwhere(~np.isfinite(dense))[0]
+            raise ValueError(f"dense feature {col} of sample {row} is {dense[row, col]} (not finite)")
+        offsets = np.asarray(offsets)
+        if offsets.shape != (self.num_tables, b) or offsets.dtype != np.int64:
+            raise ValueError(f"offsets must be ({self.num_tables}, {b}) int64, got {offsets.shape} {offsets.dtype}")
+        if len(indices) != self.num_tables:
+            raise ValueError(f"indices must hold {self.num_tables} arrays (one per table), got {len(indices)}")
+        for t, (idx, rows) in enumerate(zip(indices, self.embedding_sizes)):
+            self._check_table_input(t, offsets[t], idx, rows)
+        if labels is not None:
+            labels = np.asarray(labels)
+            if labels.shape != (b,) or labels.dtype != np.float32:
+                raise ValueError(f"labels must be ({b},) float32, got {labels.shape} {labels.dtype}")
+            bad = ~((labels >= 0) & (labels <= 1))
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise ValueError(f"label of sample {row} is {labels[row]}, outside [0, 1]")
+
+    @staticmethod
+    def _check_table_input(t, off, idx, rows):
+        if not isinstance(idx, np.ndarray) or idx.ndim != 1 or idx.dtype.kind not in "iu":
+            raise TypeError(f"indices[{t}] (table {t}) must be a 1-D integer array")
+        nnz = len(idx)
+        if off[0] != 0 or (len(off) > 1 and (np.diff(off) < 0).any()) or off[-1] > nnz:
+            raise ValueError(f"offsets[{t}] (table {t}) must start at 0, not decrease, and stay <= {nnz}")
+        if nnz == 0:
+            return
+        lo, hi = idx.min(), idx.max()
+        if lo < 0 or hi >= rows:
+            pos = int(np.argmax((idx < 0) | (idx >= rows)))
+            sample = int(np.searchsorted(off, pos, side="right") - 1)
+            raise IndexError(f"table {t}: index {idx[pos]} of sample {sample} (position {pos}) is out of "
+                             f"range [0, {rows})")
+
+    # ------------------------------------------------------------------ stages (forward)
+
+    def _buffers_for(self, b: int) -> _Buffers:
+        buf = self._buffers.get(b)
+        if buf is None:
+            if len(self._buffers) >= 2:        # train + eval sizes; drop the oldest otherwise
+                self._buffers.pop(next(iter(self._buffers)))
+            buf = self._buffers[b] = _Buffers(self, b)
+        return buf
+
+    def bottom_forward(self, dense, buf):
+        """x = bottom MLP(dense); dense: (B, n_dense) -> x: (B, D), ReLU after every layer."""
+        with self.timer("bottom_fwd"):
+            h = dense
+            for w, b, out in zip(self.bot_w, self.bot_b, buf.bot):
+                h = _into(out, ops.linear_forward(h, w, b, activation="relu", out=out))
+            return h
+
+    def embedding_forward(self, offsets, indices, buf):
+        """ly[t] = sum-pooled rows of table t; -> ly: T arrays (B, D)."""
+        with self.timer("embedding_fwd"):
+            for t, w in enumerate(self.emb):
+                out = buf.ly[t]
+                _into(out, ops.embedding_bag_forward(w, indices[t], offsets[t], out=out))
+            return buf.ly
+
+    def interaction_forward(self, x, ly):
+        """z: (B, top_mlp[0]) from x: (B, D) and ly: T arrays (B, D)."""
+        with self.timer("interaction"):
+            if self.interaction == "dot":
+                return ops.interaction_dot_forward(x, ly, self_interaction=self.self_interaction)
+            return ops.interaction_cat_forward(x, ly)
+
+    def top_forward(self, z, buf):
+        """logits: (B,) from z; ReLU on hidden layers, none on the last (the loss applies sigmoid)."""
+        with self.timer("top_fwd"):
+            h = z
+            last = len(self.top_w) - 1
+            for l, (w, b, out) in enumerate(zip(self.top_w, self.top_b, buf.top)):
+                act = None if l == last else "relu"
+                h = _into(out, ops.linear_forward(h, w, b, activation=act, out=out))
+            return h.reshape(-1)
+
+    def loss_forward(self, logits, labels):
+        """(batch-mean BCE loss, probs (B,)) from logits."""
+        with self.timer("loss"):
+            return ops.sigmoid_bce_forward(logits, labels)
+
+    # ------------------------------------------------------------------ stages (backward, update)
+
+    def loss_backward(self, probs, labels):
+        with self.timer("loss"):
+            return ops.sigmoid_bce_backward(probs, labels)
+
+    def top_backward(self, dlogits, z, buf):
+        """Top MLP backward; -> (dz, [(dw, db) per layer])."""
+        with self.timer("top_bwd"):
+            dy = dlogits.reshape(-1, 1)
+            grads = [None] * len(self.top_w)
+            last = len(self.top_w) - 1
+            for l in range(last, -1, -1):
+                x = z if l == 0 else buf.top[l - 1]
+                act = None if l == last else "relu"
+                dy, dw, db = ops.linear_backward(dy, x, self.top_w[l], buf.top[l], activation=act)
+                grads[l] = (dw, db)
+            return dy, grads
+
+    def interaction_backward(self, dz, x, ly):
+        """-> (dx (B, D), dly (B, T, D))."""
+        with self.timer("interaction"):
+            if self.interaction == "dot":
+                return ops.interaction_dot_backward(dz, x, ly, self_interaction=self.self_interaction)
+            return ops.interaction_cat_backward(dz, x, ly)
+
+    def bottom_backward(self, dx, dense, buf):
+        """Bottom MLP backward; -> [(dw, db) per layer] (the gradient w.r.t. dense is not needed)."""
+        with self.timer("bottom_bwd"):
+            dy = dx
+            grads = [None] * len(self.bot_w)
+            for l in range(len(self.bot_w) - 1, -1, -1):
+                x = dense if l == 0 else buf.bot[l - 1]
+                dy, dw, db = ops.linear_backward(dy, x, self.bot_w[l], buf.bot[l], activation="relu")
+                grads[l] = (dw, db)
+            return grads
+
+    def embedding_update(self, offsets, indices, dly, lr):
+        """Fused sparse backward + SGD per table: w[rows] -= lr * coalesced grad."""
+        with self.timer("embedding_upd"):
+            for t, w in enumerate(self.emb):
+                ops.embedding_bag_sgd_(w, indices[t], offsets[t], dly[:, t], lr)
+
+    def dense_update(self, bot_grads, top_grads, lr):
+        """Plain SGD on every MLP weight and bias."""
+        with self.timer("dense_upd"):
+            for ws, bs, grads in ((self.bot_w, self.bot_b, bot_grads), (self.top_w, self.top_b, top_grads)):
+                for w, b, (dw, db) in zip(ws, bs, grads):
+                    ops.sgd_(w, dw, lr)
+                    ops.sgd_(b, db, lr)
+
+    # ------------------------------------------------------------------ public API
+
+    def forward(self, dense, offsets, indices, *, check=True):
+        """Click probabilities (B,) float32 for one batch (inference; parameters untouched)."""
+        if check:
+            self.check_batch(dense, offsets, indices)
+        buf = self._buffers_for(dense.shape[0])
+        x = self.bottom_forward(dense, buf)
+        ly = self.embedding_forward(offsets, indices, buf)
+        z = self.interaction_forward(x, ly)
+        logits = self.top_forward(z, buf)
+        _, probs = self.loss_forward(logits, buf.zero_labels)
+        return probs
+
+    def train_step(self, dense, offsets, indices, labels, lr, *, check=True) -> float:
+        """Forward, backward and SGD update of every parameter; returns the batch-mean BCE loss."""
+        if check:
+            self.check_batch(dense, offsets, indices, labels)
+        lr = float(lr)
+        if not np.isfinite(lr):
+            raise ValueError(f"lr must be finite, got {lr}")
+        buf = self._buffers_for(dense.shape[0])
+        x = self.bottom_forward(dense, buf)
+        ly = self.embedding_forward(offsets, indices, buf)
+        z = self.interaction_forward(x, ly)
+        logits = self.top_forward(z, buf)
+        loss, probs = self.loss_forward(logits, labels)
+        dlogits = self.loss_backward(probs, labels)
+        dz, top_grads = self.top_backward(dlogits, z, buf)
+        dx, dly = self.interaction_backward(dz, x, ly)
+        bot_grads = self.bottom_backward(dx, dense, buf)
+        self.embedding_update(offsets, indices, dly, lr)
+        self.dense_update(bot_grads, top_grads, lr)
+        return float(loss)
+
+    def __repr__(self):
+        return (f"DLRM(tables={self.num_tables}, D={self.embedding_dim}, bottom={self.bottom_mlp}, "
+                f"top={self.top_mlp}, interaction={self.interaction!r}, self_interaction={self.self_interaction}, "
+                f"precision={self.embedding_precision!r})")
+
+
+def _table_nbytes(w) -> int:
+    if isinstance(w, np.ndarray):
+        return w.nbytes
+    return w.hi.nbytes + w.lo.nbytes

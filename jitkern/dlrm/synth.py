@@ -1,0 +1,168 @@
+"""Generated DLRM data: the reference's `random` generator and a learnable `synthetic` data set.
+
+Both are batch sources for the trainer: `len(src)` batches per epoch, `src.batches(epoch, start)`
+yields Batch objects from batch `start` of that epoch (resuming mid-epoch regenerates exactly
+what an uninterrupted run would have seen).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .batch import Batch
+
+
+def _offsets_from_sizes(sizes):
+    off = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], out=off[1:])
+    return off
+
+
+def _unique_per_bag(values, bag_of, num_bags):
+    """Sorted unique values within each bag (bags given by bag id per value) -> (indices, sizes)."""
+    order = np.lexsort((values, bag_of))
+    v, g = values[order], bag_of[order]
+    keep = np.ones(len(v), bool)
+    keep[1:] = (v[1:] != v[:-1]) | (g[1:] != g[:-1])
+    return v[keep], np.bincount(g[keep], minlength=num_bags)
+
+
+def random_sparse(rs: np.random.RandomState, rows: int, n: int, k: int, fixed: bool):
+    """One table's lookups as the reference draws them: (offsets (n,), indices) int64.
+
+    Per sample: a bag size (k, or round(max(1, r * min(rows, k))) for r ~ U[0,1)), then that many
+    uniform draws r -> round(r * (rows - 1)), deduplicated and sorted; consumes exactly the
+    reference's random numbers, in the same order, without its per-sample Python loop.
+    """
+    if fixed:
+        vals = np.round(rs.random_sample(n * k) * (rows - 1)).astype(np.int64)
+        bag_of = np.repeat(np.arange(n), k)
+    else:
+        m = min(rows, k)
+        state = rs.get_state()
+        ahead = rs.random_sample(n * (m + 1))           # enough for any bag sizes
+        sizes_at = np.round(np.maximum(1.0, ahead * m)).astype(np.int64).tolist()
+        starts, pos = [], 0
+        for _ in range(n):                             # a bag's size decides where the next begins
+            starts.append(pos)
+            pos += 1 + sizes_at[pos]
+        rs.set_state(state)
+        draws = rs.random_sample(pos)                  # the same numbers, leaving rs where the reference would
+        starts = np.asarray(starts, np.int64)
+        sizes = np.asarray([sizes_at[s] for s in starts.tolist()], np.int64)
+        bag_of = np.repeat(np.arange(n), sizes)
+        first = np.repeat(starts + 1, sizes)
+        within = np.arange(len(bag_of)) - np.repeat(_offsets_from_sizes(sizes), sizes)
+        vals = np.round(draws[first + within] * (rows - 1)).astype(np.int64)
+    indices, sizes = _unique_per_bag(vals, bag_of, n)
+    return _offsets_from_sizes(sizes), indices
+
+
+def random_batch(rs, embedding_sizes, num_dense, n, k, fixed, round_targets=False) -> Batch:
+    """The reference's generate_random_input_batch + generate_random_output_batch, from rs."""
+    dense = rs.rand(n, num_dense).astype(np.float32)
+    offsets = np.empty((len(embedding_sizes), n), np.int64)
+    indices = []
+    for t, rows in enumerate(embedding_sizes):
+        offsets[t], idx = random_sparse(rs, rows, n, k, fixed)
+        indices.append(idx)
+    labels = rs.rand(n, 1).astype(np.float32)
+    if round_targets:
+        labels = np.round(labels).astype(np.float32)
+    return Batch(dense, offsets, indices, labels.reshape(n))
+
+
+class RandomData:
+    """The reference's `random` data: one NumPy stream, reseeded at the start of every epoch."""
+
+    def __init__(self, embedding_sizes, num_dense, batch_size, num_batches, *, num_indices_per_lookup=10,
+                 fixed=False, seed=123, round_targets=False, data_size=None):
+        self.embedding_sizes = list(embedding_sizes)
+        self.num_dense = num_dense
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self.k, self.fixed, self.seed, self.round_targets = num_indices_per_lookup, fixed, seed, round_targets
+        # like the reference's data_size: the last batch may be short
+        self.data_size = data_size if data_size is not None else batch_size * num_batches
+
+    def __len__(self):
+        return self.num_batches
+
+    def batches(self, epoch: int = 0, start: int = 0):
+        rs = np.random.RandomState(self.seed)
+        for i in range(self.num_batches):
+            n = min(self.batch_size, self.data_size - i * self.batch_size)
+            b = random_batch(rs, self.embedding_sizes, self.num_dense, n, self.k, self.fixed, self.round_targets)
+            if i >= start:                      # earlier batches are drawn only to advance the stream
+                yield b
+
+
+class Teacher:
+    """A hidden random DLRM-like scorer: dense linear term + per-row biases + pairwise row dots."""
+
+    RANK = 4
+    MAX_ROWS = 4096       # teacher rows per table; larger tables share them by index modulo
+
+    def __init__(self, embedding_sizes, num_dense, seed, scale=3.0, shift=-1.0):
+        rng = np.random.default_rng([seed, 0x7EAC])
+        self.a = rng.standard_normal(num_dense) * np.sqrt(12.0 / num_dense)   # (d - 0.5) has variance 1/12
+        self.bias = [rng.standard_normal(min(r, self.MAX_ROWS)) for r in embedding_sizes]
+        self.vec = [rng.standard_normal((min(r, self.MAX_ROWS), self.RANK)) for r in embedding_sizes]
+        self.scale, self.shift = scale, shift
+
+    def logits(self, dense, offsets, indices):
+        t_count = len(indices)
+        terms = [(dense.astype(np.float64) - 0.5) @ self.a]
+        bias = np.zeros(len(dense))
+        vecs = []
+        for t, idx in enumerate(indices):
+            sizes = np.diff(np.append(offsets[t], len(idx)))
+            rows = idx % len(self.bias[t])
+            bias += np.add.reduceat(self.bias[t][rows], offsets[t]) / sizes
+            vecs.append(np.add.reduceat(self.vec[t][rows], offsets[t], axis=0) / sizes[:, None])
+        terms.append(bias / np.sqrt(t_count))
+        if t_count > 1:
+            v = np.stack(vecs, axis=1)                          # (B, T, RANK)
+            gram = np.einsum("btr,bsr->bts", v, v)
+            pairs = (gram.sum(axis=(1, 2)) - np.einsum("btt->b", gram)) / 2
+            terms.append(pairs / np.sqrt(self.RANK * t_count * (t_count - 1) / 2))
+        return self.scale * sum(terms) / np.sqrt(len(terms)) + self.shift
+
+
+class SyntheticData:
+    """Learnable data: uniform features, clicks drawn from a hidden Teacher's probabilities.
+
+    Batch `i` of epoch `e` of split `split` depends only on (seed, split, e, i), so any batch can
+    be regenerated; train and test splits share the teacher and differ in their samples.
+    """
+
+    SPLITS = {"train": 0, "test": 1}
+
+    def __init__(self, embedding_sizes, num_dense, batch_size, num_batches, *, num_indices_per_lookup=1,
+                 fixed=True, seed=123, split="train"):
+        if split not in self.SPLITS:
+            raise ValueError(f"split must be one of {tuple(self.SPLITS)}, got {split!r}")
+        self.embedding_sizes = list(embedding_sizes)
+        self.num_dense, self.batch_size, self.num_batches = num_dense, batch_size, num_batches
+        self.k, self.fixed, self.seed, self.split = num_indices_per_lookup, fixed, seed, split
+        self.teacher = Teacher(self.embedding_sizes, num_dense, seed)
+
+    def __len__(self):
+        return self.num_batches
+
+    def batch(self, epoch: int, i: int) -> Batch:
+        rng = np.random.default_rng([self.seed, self.SPLITS[self.split], epoch, i])
+        n = self.batch_size
+        dense = rng.random((n, self.num_dense), np.float32)
+        offsets = np.empty((len(self.embedding_sizes), n), np.int64)
+        indices = []
+        for t, rows in enumerate(self.embedding_sizes):
+            sizes = np.full(n, self.k, np.int64) if self.fixed else rng.integers(1, self.k + 1, n)
+            offsets[t] = _offsets_from_sizes(sizes)
+            indices.append(rng.integers(0, rows, int(sizes.sum()), dtype=np.int64))
+        p = 1.0 / (1.0 + np.exp(-self.teacher.logits(dense, offsets, indices)))
+        labels = (rng.random(n) < p).astype(np.float32)
+        return Batch(dense, offsets, indices, labels)
+
+    def batches(self, epoch: int = 0, start: int = 0):
+        for i in range(start, self.num_batches):
+            yield self.batch(epoch, i)
