@@ -158,7 +158,7 @@ def parse_chunk(buf: np.ndarray, *, path="<buffer>", first_line: int = 1,
                                      int(err_pos[i])))
     keep = slice(0, n)
     if bad.size:
-        keep = err[:n] == OK
+        keep = np.flatnonzero(err[:n] == OK)
     out = Chunk(labels[keep], dense[keep], cats[keep], empty[keep], n, int(bad.size))
     transform_dense(out.dense)
     return out
