@@ -175,7 +175,7 @@ def test_gzip_and_terabyte_days(tmp_path):
     gz = tmp_path / "day_0.gz"
     gz.write_bytes(gzip.compress(("\n".join(lines[:60]) + "\n").encode()))
     d1 = write_lines(tmp_path / "day_1", lines[60:])
-    meta = preprocess([gz, d1], tmp_path / "tb", dataset="terabyte", max_ind_range=50)
+    meta = preprocess([d1, gz], tmp_path / "tb", dataset="terabyte", max_ind_range=50)  # day order by name
     assert meta["splits"] == {"train": [0, 60], "test": [60, 80], "val": [80, 100]}
     plain = preprocess([SAMPLE], tmp_path / "plain", max_ind_range=50)
     for name in ("dense.npy", "sparse.npy", "labels.npy"):

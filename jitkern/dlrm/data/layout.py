@@ -34,7 +34,7 @@ ARRAYS = {  # name -> (dtype, row shape)
     "sparse": (np.dtype("<i4"), (N_SPARSE,)),
     "labels": (np.dtype("<f4"), ()),
 }
-_HEADER_BYTES = 128     # fixed-size .npy v1 header, so rows can be appended before N is known
+HEADER_BYTES = 128     # fixed-size .npy v1 header, so rows can be appended before N is known
 
 
 class LayoutError(ValueError):
@@ -46,10 +46,10 @@ def npy_header(dtype, shape) -> bytes:
     d = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
          "shape": tuple(int(s) for s in shape)}
     body = repr(d).encode("latin1")
-    pad = _HEADER_BYTES - 10 - len(body) - 1
+    pad = HEADER_BYTES - 10 - len(body) - 1
     if pad < 0:
         raise ValueError(f"shape {shape} too long for a fixed .npy header")
-    return b"\x93NUMPY\x01\x00" + (_HEADER_BYTES - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
+    return b"\x93NUMPY\x01\x00" + (HEADER_BYTES - 10).to_bytes(2, "little") + body + b" " * pad + b"\n"
 
 
 class NpyAppender:

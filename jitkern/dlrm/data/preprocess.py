@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .layout import ARRAYS, AtomicDir, NpyAppender, base_meta, kaggle_days, write_meta
+from .layout import ARRAYS, HEADER_BYTES, AtomicDir, NpyAppender, base_meta, kaggle_days, write_meta
 from .raw import DEFAULT_CHUNK_BYTES, N_SPARSE, RawDataError, iter_chunks, parse_chunk
 
 _BITS = np.arange(N_SPARSE, dtype=np.uint32)
@@ -102,16 +103,61 @@ def _remap_in_place(path, n_rows, mask_path, counter, min_frequency, rows_per_ch
     with open(path, "r+b") as f, open(mask_path, "rb") as fm:
         for r0 in range(0, n_rows, rows_per_chunk):
             r = min(rows_per_chunk, n_rows - r0)
-            f.seek(128 + r0 * row_bytes)
+            f.seek(HEADER_BYTES + r0 * row_bytes)
             raw = np.fromfile(f, np.uint32, r * N_SPARSE).reshape(r, N_SPARSE)
             miss = empty_mask(np.fromfile(fm, np.uint32, r))
             out = np.empty((r, N_SPARSE), np.int32)
             for j in range(N_SPARSE):
                 vals = counter.table(j)[0]
                 out[:, j] = map_column(raw[:, j], miss[:, j], vals, tables[j][0])
-            f.seek(128 + r0 * row_bytes)
+            f.seek(HEADER_BYTES + r0 * row_bytes)
             f.write(out.data)
     return [t[1] for t in tables]
+
+
+def _pass1(raw_files, tmp, mask_path, counter, max_ind_range, skip_bad_lines, chunk_bytes, bar, sources):
+    """Parse every file into tmp's .npy files: final ids (hash mode, mask_path None) or raw values
+    counted into `counter` with their empty masks in mask_path. Returns (rows, raw text bytes)."""
+    writers = {k: NpyAppender(tmp / f"{k}.npy", dt, shp) for k, (dt, shp) in ARRAYS.items()}
+    mask_f = open(mask_path, "wb") if mask_path else None
+    raw_bytes = 0
+    try:
+        for path in raw_files:
+            rows0, lines, bad, done = writers["labels"].rows, 0, 0, 0
+            for buf, first, disk_pos in iter_chunks(path, chunk_bytes):
+                ch = parse_chunk(buf, path=path, first_line=first, skip_bad_lines=skip_bad_lines)
+                writers["dense"].append(ch.dense)
+                writers["labels"].append(ch.labels)
+                if mask_f is None:
+                    writers["sparse"].append(hash_ids(ch.cats, ch.empty, int(max_ind_range)))
+                else:
+                    if max_ind_range is not None:
+                        ch.cats %= np.uint32(max_ind_range)
+                    counter.add(ch.cats, ch.empty)
+                    writers["sparse"].append(ch.cats.view(np.int32))
+                    mask_f.write(ch.empty.data)
+                lines += ch.n_lines
+                bad += ch.n_bad
+                raw_bytes += buf.size
+                bar.update(disk_pos - done, writers["labels"].rows, raw_bytes)
+                done = disk_pos
+            sources.append({"path": str(path), "lines": lines, "rows": writers["labels"].rows - rows0,
+                            "bad_lines_skipped": bad})
+        for w in writers.values():
+            w.close()
+    finally:
+        for w in writers.values():
+            w.f.close()
+        if mask_f is not None:
+            mask_f.close()
+    return writers["labels"].rows, raw_bytes
+
+
+def day_order(paths):
+    """Terabyte day files in day order: by N when every name is day_N[.ext] (a shell glob sorts
+    day_10 before day_2), else as given."""
+    days = [re.fullmatch(r"day_(\d+)(\..*)?", p.name) for p in paths]
+    return sorted(paths, key=lambda p: int(p.name[4:].split(".")[0])) if all(days) else list(paths)
 
 
 def preprocess(raw_files, out, *, dataset: str = "kaggle", days: int = 7, max_ind_range=None,
@@ -134,6 +180,8 @@ def preprocess(raw_files, out, *, dataset: str = "kaggle", days: int = 7, max_in
     for p in raw_files:
         if not p.is_file():
             raise FileNotFoundError(f"raw file not found: {p}")
+    if dataset == "terabyte":
+        raw_files = day_order(raw_files)
     hashing = max_ind_range is not None and min_frequency is None
     min_frequency = 1 if min_frequency is None else int(min_frequency)
 
@@ -142,34 +190,12 @@ def preprocess(raw_files, out, *, dataset: str = "kaggle", days: int = 7, max_in
     counter = None if hashing else FrequencyCounter()
     sources = []
     with AtomicDir(out, overwrite=overwrite) as tmp:
-        writers = {k: NpyAppender(tmp / f"{k}.npy", dt, shp) for k, (dt, shp) in ARRAYS.items()}
         mask_path = tmp / "empty_mask.tmp"
-        mask_f = None if hashing else open(mask_path, "wb")
-        raw_bytes = 0
-        for path in raw_files:
-            rows0, lines, bad, done = writers["labels"].rows, 0, 0, 0
-            for buf, first, disk_pos in iter_chunks(path, chunk_bytes):
-                ch = parse_chunk(buf, path=path, first_line=first, skip_bad_lines=skip_bad_lines)
-                writers["dense"].append(ch.dense)
-                writers["labels"].append(ch.labels)
-                if hashing:
-                    writers["sparse"].append(hash_ids(ch.cats, ch.empty, int(max_ind_range)))
-                else:
-                    if max_ind_range is not None:
-                        ch.cats %= np.uint32(max_ind_range)
-                    counter.add(ch.cats, ch.empty)
-                    writers["sparse"].append(ch.cats.view(np.int32))
-                    mask_f.write(ch.empty.data)
-                lines += ch.n_lines
-                bad += ch.n_bad
-                raw_bytes += buf.size
-                bar.update(disk_pos - done, writers["labels"].rows, raw_bytes)
-                done = disk_pos
-            sources.append({"path": str(path), "lines": lines, "rows": writers["labels"].rows - rows0,
-                            "bad_lines_skipped": bad})
-        for w in writers.values():
-            w.close()
-        n = writers["labels"].rows
+        try:
+            n, raw_bytes = _pass1(raw_files, tmp, None if hashing else mask_path, counter, max_ind_range,
+                                  skip_bad_lines, chunk_bytes, bar, sources)
+        finally:
+            bar.close()
         if n == 0:
             raise RawDataError(f"no rows in {', '.join(map(str, raw_files))}")
         if hashing:
@@ -177,7 +203,6 @@ def preprocess(raw_files, out, *, dataset: str = "kaggle", days: int = 7, max_in
             categorical = {"mode": "hash", "max_ind_range": int(max_ind_range), "empty_id": 0,
                            "formula": "1 + hash % (max_ind_range - 1)"}
         else:
-            mask_f.close()
             cards = _remap_in_place(tmp / "sparse.npy", n, mask_path, counter, min_frequency)
             os.unlink(mask_path)
             categorical = {"mode": "frequency", "min_frequency": min_frequency, "empty_id": 0,
@@ -189,7 +214,6 @@ def preprocess(raw_files, out, *, dataset: str = "kaggle", days: int = 7, max_in
                  "rows_per_s": round(n / secs), "bad_lines_skipped": sum(s["bad_lines_skipped"] for s in sources)}
         meta = base_meta(n, day_rows, cards, categorical, dataset=dataset, sources=sources, stats=stats)
         write_meta(tmp, meta)
-    bar.close()
     return meta
 
 

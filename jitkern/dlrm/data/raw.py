@@ -7,6 +7,7 @@ empty), C1..C26 categoricals of up to 8 hex digits (may be empty). Files may be 
 from __future__ import annotations
 
 import gzip
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,7 +207,7 @@ def iter_chunks(path, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
                 buf = np.frombuffer(data, np.uint8, count=cut)
                 yield buf, line, disk.tell()
                 line += int(np.count_nonzero(buf == 10))
-        except (EOFError, gzip.BadGzipFile, OSError) as e:
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             raise RawDataError(f"{path}: corrupt or truncated gzip stream: {e}") from None
 
 
