@@ -1,0 +1,124 @@
+"""python -m jitkern bench embedding [--threads N] [--quick]: embedding-bag forward and fused SGD.
+
+Per table size R and width D, one table is allocated and shared by every implementation (torch
+sees it through torch.from_numpy), then for each index draw (uniform pooling 1 and 20, Zipf-skewed
+pooling 20) the forward and the update are timed against NumPy and, when importable, torch.
+Rows/s count looked-up (forward) or updated (SGD) index entries; GB/s counts the table bytes those
+rows move (read for forward, read + write for updates), next to this machine's copy bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from .. import ops
+from ..ops.optim import SplitBF16Table
+from .common import copy_bandwidth_gbs, do_bench, print_table, set_threads, torch_or_none
+
+LR = 0.01
+
+
+def draw_batch(rng, num_rows, batch, pooling, dist):
+    """indices (B * pooling,) int64 and offsets (B,) int64: uniform rows, or Zipf(1.1)-skewed ones."""
+    nnz = batch * pooling
+    if dist == "zipf":
+        ranks = rng.zipf(1.1, nnz) - 1
+        # scatter the hot ranks over the table (a fixed odd multiplier permutes Z/RZ for odd-free R)
+        idx = (ranks % num_rows) * 2654435761 % num_rows
+    else:
+        idx = rng.integers(0, num_rows, nnz)
+    return idx.astype(np.int64), np.arange(batch, dtype=np.int64) * pooling
+
+
+def _numpy_forward(w, idx, off):
+    return np.add.reduceat(w.take(idx, axis=0), off, axis=0)
+
+
+def _numpy_add_at_sgd(w, idx, off, dout, pooling):
+    np.add.at(w, idx, np.repeat(dout * np.float32(-LR), pooling, axis=0))
+
+
+def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out):
+    w = np.full((num_rows, dim), 0.01, np.float32)  # touch every page: no zero-page reads
+    split = SplitBF16Table.from_float32(w) if dim == 128 else None
+    tw = torch.from_numpy(w) if torch else None
+    for pooling, dist in dists:
+        idx, off = draw_batch(rng, num_rows, batch, pooling, dist)
+        nnz = len(idx)
+        dout = rng.standard_normal((batch, dim)).astype(np.float32)
+        case = f"R={num_rows:.0e} D={dim} {dist} p={pooling}"
+        fwd_bytes, upd_bytes = nnz * dim * 4, 2 * nnz * dim * 4
+        out = np.empty((batch, dim), np.float32)
+
+        runs = [("forward", "jitkern", fwd_bytes, lambda: ops.embedding_bag_forward(w, idx, off, out=out)),
+                ("forward", "numpy take+reduceat", fwd_bytes, lambda: _numpy_forward(w, idx, off))]
+        if split is not None:
+            runs.append(("forward", "jitkern bf16", fwd_bytes // 2,
+                         lambda: ops.embedding_bag_forward(split, idx, off, out=out)))
+        if torch:
+            ti, to = torch.from_numpy(idx), torch.from_numpy(off)
+            runs.append(("forward", "torch embedding_bag", fwd_bytes,
+                         lambda: torch.nn.functional.embedding_bag(ti, tw, to, mode="sum")))
+        runs.append(("sgd update", "jitkern fused", upd_bytes,
+                     lambda: ops.embedding_bag_sgd_(w, idx, off, dout, LR)))
+        if split is not None:
+            runs.append(("sgd update", "jitkern fused bf16", upd_bytes,
+                         lambda: ops.embedding_bag_sgd_(split, idx, off, dout, LR)))
+        runs.append(("sgd update", "numpy add.at", upd_bytes,
+                     lambda: _numpy_add_at_sgd(w, idx, off, dout, pooling)))
+        if torch:
+            runs.append(("sgd update", "torch sparse bwd+SGD.step", upd_bytes, _torch_step(torch, tw, idx, off, dout)))
+        base = {}
+        for op, impl, nbytes, fn in runs:
+            t = do_bench(fn, warmup=2, min_reps=5, min_time=0.3)
+            base.setdefault(op, {})[impl] = t.median
+            rows_out.append([case, op, impl, f"{t.median * 1e3:.3f}", t.spread(), f"{nnz / t.median / 1e6:.1f}",
+                             f"{nbytes / t.median / 1e9:.2f}", ""])
+        for row in rows_out[-len(runs):]:
+            ref = base[row[1]].get("torch embedding_bag" if row[1] == "forward" else "torch sparse bwd+SGD.step")
+            ref = ref or base[row[1]].get("numpy take+reduceat" if row[1] == "forward" else "numpy add.at")
+            row[-1] = f"{ref / (float(row[3]) / 1e3):.2f}x"
+    del w, split, tw
+
+
+def _torch_step(torch, tw, idx, off, dout):
+    """Backward of a sparse-gradient embedding_bag plus SGD.step on the shared table (graph kept)."""
+    param = torch.nn.Parameter(tw, requires_grad=True)
+    opt = torch.optim.SGD([param], lr=LR)
+    out = torch.nn.functional.embedding_bag(torch.from_numpy(idx), param, torch.from_numpy(off),
+                                            mode="sum", sparse=True)
+    tdout = torch.from_numpy(dout)
+
+    def step():
+        out.backward(tdout, retain_graph=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jitkern bench embedding", description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1, help="threads for jitkern, NumPy and torch (default 1)")
+    p.add_argument("--quick", action="store_true", help="R=1e6, D=16 and 128 only")
+    p.add_argument("--rows", type=float, nargs="+", help="table sizes R (default 1e6 1e7)")
+    p.add_argument("--dims", type=int, nargs="+", help="widths D (default 16 64 128)")
+    p.add_argument("--batch", type=int, default=2048)
+    p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    args = p.parse_args(argv)
+    set_threads(args.threads)
+    torch = None if args.no_torch else torch_or_none()
+    rows = [int(r) for r in (args.rows or ([1e6] if args.quick else [1e6, 1e7]))]
+    dims = args.dims or ([16, 128] if args.quick else [16, 64, 128])
+    dists = [(1, "uniform"), (20, "uniform"), (20, "zipf")]
+    bw = copy_bandwidth_gbs()
+    print(f"embedding bags: B={args.batch}, threads={args.threads}, copy bandwidth {bw:.1f} GB/s, "
+          f"torch {'yes' if torch else 'not installed'}; ratio = baseline time / this time "
+          "(baseline: torch when present, else NumPy)")
+    rng = np.random.default_rng(0)
+    table = []
+    for r in rows:
+        for d in dims:
+            _bench_table(rng, r, d, args.batch, dists, torch, table)
+    print_table(["case", "op", "impl", "ms", "spread", "Mrows/s", "GB/s", "ratio"], table)
+    return 0

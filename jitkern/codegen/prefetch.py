@@ -1,0 +1,60 @@
+"""Software prefetch for njit code: `prefetch(arr, i, byte_offset)` / `prefetch_write(...)` hint
+that the cache line holding `byte_offset` bytes past arr[i] (row i of a 2-D array) will be read
+(or written) soon.
+
+Random row gathers (embedding bags) are latency-bound: issuing the loads of rows a few
+iterations ahead overlaps their cache misses. The hint is emitted as LLVM's `llvm.prefetch`
+intrinsic, which every backend accepts (it lowers to nothing where the ISA has no prefetch);
+if the intrinsic cannot be declared at all, the call compiles to a no-op.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+_I8P = ir.IntType(8).as_pointer()
+_I32 = ir.IntType(32)
+
+
+def _declare(module):
+    """The llvm.prefetch declaration (opaque-pointer name first, typed-pointer name as fallback)."""
+    fnty = ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32])
+    for name in ("llvm.prefetch.p0", "llvm.prefetch.p0i8"):
+        try:
+            return cgutils.get_or_insert_function(module, fnty, name)
+        except Exception:  # pragma: no cover - an llvmlite that cannot declare it: no-op
+            continue
+    return None
+
+
+def _make(rw: int, locality: int = 3):
+    def impl(typingctx, arr, i, byte_offset):
+        if not (isinstance(arr, types.Array) and isinstance(i, types.Integer)
+                and isinstance(byte_offset, types.Integer) and arr.ndim >= 1):
+            return None
+        ndim = arr.ndim
+
+        def codegen(context, builder, sig, args):
+            arrval, idx, off = args
+            fn = _declare(builder.module)
+            if fn is None:  # pragma: no cover
+                return context.get_dummy_value()
+            ary = context.make_array(sig.args[0])(context, builder, arrval)
+            first = context.cast(builder, idx, sig.args[1], types.intp)
+            extra = context.cast(builder, off, sig.args[2], types.intp)
+            strides = cgutils.unpack_tuple(builder, ary.strides, ndim)
+            # data + i * stride0 + byte_offset (no bounds check: a hint may point anywhere)
+            ptr = cgutils.pointer_add(builder, ary.data, builder.add(builder.mul(first, strides[0]), extra),
+                                      return_type=_I8P)
+            builder.call(fn, [ptr, ir.Constant(_I32, rw), ir.Constant(_I32, locality), ir.Constant(_I32, 1)])
+            return context.get_dummy_value()
+
+        return types.none(arr, i, byte_offset), codegen
+    return impl
+
+
+prefetch = intrinsic(_make(rw=0))
+prefetch.__doc__ = "Hint: the line byte_offset bytes into arr[i] will be read soon (no other effect)."
+prefetch_write = intrinsic(_make(rw=1))
+prefetch_write.__doc__ = "Hint: the line byte_offset bytes into arr[i] will be written soon (no other effect)."
