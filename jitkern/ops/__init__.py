@@ -13,7 +13,7 @@ from .interaction import (
     interaction_dot_forward,
 )
 from .loss import sigmoid_bce_backward, sigmoid_bce_forward
-from .optim import sgd_
+from .optim import SplitBF16Table, sgd_
 
 __all__ = [
     "batch_reduce_gemm", "embedding_bag_adagrad_", "embedding_bag_backward", "embedding_bag_forward",
