@@ -369,3 +369,23 @@ def test_loader_reads_other_layouts(tmp_path):
     batches = list(iterate_batches(ds, 32, block_size=20))
     np.testing.assert_array_equal(np.concatenate([b.dense for b in batches]), log1p32(raw_dense))
     np.testing.assert_array_equal(np.concatenate([b.indices[25] for b in batches]), sparse[:, 25])
+
+
+@settings(max_examples=20)
+@given(n=st.integers(0, 3000), seed=st.integers(0, 2**16))
+def test_id_table_matches_a_dict(n, seed):
+    from jitkern.dlrm.data.idmap import RARE_ID, IdTable
+    rng = np.random.default_rng(seed)
+    pool = np.unique(np.concatenate([rng.integers(0, 2**32, 2 * n + 2, dtype=np.uint64),
+                                     [0, 2**32 - 1]]).astype(np.uint32))
+    keys = rng.permutation(pool)[:n]
+    ids = (2 + rng.permutation(n)).astype(np.int32)
+    raw = rng.choice(pool, (500, 3)).astype(np.uint32)
+    empty = rng.integers(0, 8, 500).astype(np.uint32)
+    out = np.full((500, 3), -7, np.int32)
+    table = IdTable(keys, ids)
+    want = dict(zip(keys.tolist(), ids.tolist()))
+    for j in range(3):
+        table.map_column(raw, empty, j, out)
+        expect = [0 if e >> j & 1 else want.get(v, RARE_ID) for v, e in zip(raw[:, j].tolist(), empty.tolist())]
+        np.testing.assert_array_equal(out[:, j], expect)

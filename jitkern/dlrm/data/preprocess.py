@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .layout import ARRAYS, HEADER_BYTES, AtomicDir, NpyAppender, base_meta, kaggle_days, write_meta
+from .idmap import IdTable
 from .raw import DEFAULT_CHUNK_BYTES, N_SPARSE, RawDataError, iter_chunks, parse_chunk
 
 _BITS = np.arange(N_SPARSE, dtype=np.uint32)
@@ -76,43 +77,35 @@ class FrequencyCounter:
 
 
 def frequency_ids(vals, counts, min_frequency: int):
-    """id of each value in sorted `vals`: 2.. for values counted >= min_frequency (by descending
-    count, ties by value), 1 for the rest. Returns (ids aligned with vals, cardinality)."""
-    ids = np.ones(len(vals), np.int32)
+    """The values counted >= min_frequency, in id order (descending count, ties by value), and
+    their ids 2, 3, ...; every other value gets RARE_ID. Returns (keys, ids, cardinality)."""
     freq = np.flatnonzero(counts >= min_frequency)
-    order = freq[np.lexsort((vals[freq], -counts[freq]))]
-    ids[order] = 2 + np.arange(len(order), dtype=np.int32)
-    return ids, 2 + len(order)
-
-
-def map_column(col, miss, vals, ids) -> np.ndarray:
-    """Raw values -> ids through the sorted table (vals, ids); empty -> 0."""
-    if len(vals) == 0:
-        return np.zeros(len(col), np.int32)
-    pos = np.minimum(np.searchsorted(vals, col), len(vals) - 1)
-    out = ids[pos]
-    out[miss] = 0
-    return out
+    keys = vals[freq[np.lexsort((vals[freq], -counts[freq]))]]
+    return keys, 2 + np.arange(len(keys), dtype=np.int32), 2 + len(keys)
 
 
 def _remap_in_place(path, n_rows, mask_path, counter, min_frequency, rows_per_chunk=1 << 18):
     """Pass 2: rewrite sparse.npy's raw values as frequency ids, chunk by chunk, through file I/O
     (not a memmap, so resident memory stays bounded by the chunk)."""
-    tables = [frequency_ids(*counter.table(j), min_frequency) for j in range(N_SPARSE)]
+    tables, cards = [], []
+    for j in range(N_SPARSE):
+        keys, ids, card = frequency_ids(*counter.table(j), min_frequency)
+        counter.main[j] = None                      # the counts are no longer needed
+        tables.append(IdTable(keys, ids))
+        cards.append(card)
     row_bytes = N_SPARSE * 4
     with open(path, "r+b") as f, open(mask_path, "rb") as fm:
         for r0 in range(0, n_rows, rows_per_chunk):
             r = min(rows_per_chunk, n_rows - r0)
             f.seek(HEADER_BYTES + r0 * row_bytes)
             raw = np.fromfile(f, np.uint32, r * N_SPARSE).reshape(r, N_SPARSE)
-            miss = empty_mask(np.fromfile(fm, np.uint32, r))
+            empty = np.fromfile(fm, np.uint32, r)
             out = np.empty((r, N_SPARSE), np.int32)
             for j in range(N_SPARSE):
-                vals = counter.table(j)[0]
-                out[:, j] = map_column(raw[:, j], miss[:, j], vals, tables[j][0])
+                tables[j].map_column(raw, empty, j, out)
             f.seek(HEADER_BYTES + r0 * row_bytes)
             f.write(out.data)
-    return [t[1] for t in tables]
+    return cards
 
 
 def _pass1(raw_files, tmp, mask_path, counter, max_ind_range, skip_bad_lines, chunk_bytes, bar, sources):
