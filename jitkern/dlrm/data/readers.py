@@ -7,7 +7,6 @@ reader loads a file into memory. Slicing `src[a:b]` always gives an ndarray of t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,19 +53,26 @@ class RowView:
         return a if dtype is None else a.astype(dtype)
 
 
-@dataclass
 class CriteoDataset:
-    """One split: dense (N, 13) float32, sparse (N, 26) int ids, labels (N,) float32 row sources."""
-    dense: object
-    sparse: object
-    labels: object
-    cardinalities: list = field(default_factory=list)   # 26 ints: ids of table j are < cardinalities[j]
-    split: str = "train"
-    source: str = ""
-    meta: dict = field(default_factory=dict)
+    """One split: dense (N, 13) float32, sparse (N, 26) int ids, labels (N,) float32 row sources, and
+    cardinalities (26 ints: ids of table j are < cardinalities[j]; may be computed on first use)."""
+
+    def __init__(self, dense, sparse, labels, cardinalities, split="train", source="", meta=None):
+        self.dense, self.sparse, self.labels = dense, sparse, labels
+        self._cardinalities = cardinalities        # a list, or a callable computing it (a scan)
+        self.split, self.source, self.meta = split, source, meta or {}
+
+    @property
+    def cardinalities(self) -> list:
+        if callable(self._cardinalities):
+            self._cardinalities = self._cardinalities()
+        return self._cardinalities
 
     def __len__(self):
         return len(self.labels)
+
+    def __repr__(self):
+        return f"CriteoDataset({self.meta.get('format', '?')} {self.source!r}, split={self.split!r}, rows={len(self)})"
 
 
 def _rows(a, start, stop):
@@ -136,8 +142,9 @@ def _scan_cardinalities(sparse, chunk=1 << 20):
 
 
 def load_mlperf_bin(path, split: str = "train") -> CriteoDataset:
-    """The reference DLRM's MLPerf binary (PREFIX_{train,val,test}.bin; cardinalities from
-    PREFIX_fea_count.npz 'counts' when present, else max id + 1 of this file)."""
+    """The reference DLRM's MLPerf binary PREFIX_{train,val,test}.bin (path: any of them or PREFIX; a
+    .bin not named so is read for every split). Cardinalities from PREFIX_fea_count.npz 'counts'
+    when present, else max id + 1 of this file, scanned on first use of ds.cardinalities."""
     _check_split(split)
     f, prefix = _mlperf_paths(path, split)
     recs = open_mlperf_bin(f)
@@ -151,13 +158,14 @@ def load_mlperf_bin(path, split: str = "train") -> CriteoDataset:
         if len(cards) != N_SPARSE:
             raise LayoutError(f"{counts}: 'counts' has {len(cards)} entries, expected {N_SPARSE}")
     else:
-        cards = _scan_cardinalities(sparse)
+        cards = lambda: _scan_cardinalities(sparse)
     return CriteoDataset(dense, sparse, labels, cards, split, str(f), {"format": "mlperf-bin"})
 
 
 def load_torchrec(path, split: str = "train") -> CriteoDataset:
     """TorchRec's per-day day_{d}_{dense,sparse,labels}.npy (dense already transformed by TorchRec;
-    sparse int32 values read as unsigned). Days sorted by d; splits as jitkern's layout."""
+    sparse int32 values read as unsigned). Days sorted by d; splits as jitkern's layout.
+    Cardinalities (max id + 1 over all days) are scanned on first use of ds.cardinalities."""
     _check_split(split)
     d = Path(path)
     days = sorted(int(m.group(1)) for p in d.glob("day_*_labels.npy")
@@ -190,10 +198,8 @@ def load_torchrec(path, split: str = "train") -> CriteoDataset:
                      np.int64)
     labels = RowView([p.reshape(-1) for p in parts["labels"]], _as_float32, np.float32)
     a, b = day_splits([len(p) for p in parts["labels"]])[split]
-    ds = CriteoDataset(dense.rows(a, b), sparse.rows(a, b), labels.rows(a, b), [], split, str(d),
-                       {"format": "torchrec-npy", "days": days})
-    ds.cardinalities = _scan_cardinalities(sparse)
-    return ds
+    return CriteoDataset(dense.rows(a, b), sparse.rows(a, b), labels.rows(a, b),
+                         lambda: _scan_cardinalities(sparse), split, str(d), {"format": "torchrec-npy", "days": days})
 
 
 def load_preprocessed(path, split: str = "train") -> CriteoDataset:
