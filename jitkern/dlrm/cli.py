@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(flags as dlrm_s_pytorch.py; the defaults are a small synthetic run).")
     a = p.add_argument_group("model")
     a.add_argument("--arch-sparse-feature-size", type=int, default=16, help="embedding dim D")
-    a.add_argument("--arch-embedding-size", default="100-1000-10000-500-2000-50-20000-300",
+    a.add_argument("--arch-embedding-size", default="10-20-40-80-160-320-640-1280",
                    help="rows per table, dash-separated (ignored with --data-generation dataset)")
     a.add_argument("--arch-mlp-bot", default="13-64-16", help="bottom MLP: n_dense-...-D")
     a.add_argument("--arch-mlp-top", default="64-32-1", help="top MLP without its input width: ...-1")
@@ -57,18 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--numpy-rand-seed", type=int, default=123)
     t = p.add_argument_group("training")
     t.add_argument("--mini-batch-size", type=int, default=256)
-    t.add_argument("--num-batches", type=int, default=600, help="batches per epoch (0: the whole data set)")
+    t.add_argument("--num-batches", type=int, default=1000, help="batches per epoch (0: the whole data set)")
     t.add_argument("--nepochs", type=int, default=1)
-    t.add_argument("--learning-rate", type=float, default=0.1)
+    t.add_argument("--learning-rate", type=float, default=0.5)
     t.add_argument("--lr-num-warmup-steps", type=int, default=0)
     t.add_argument("--lr-decay-start-step", type=int, default=0)
     t.add_argument("--lr-num-decay-steps", type=int, default=0)
     t.add_argument("--mlperf-auc-threshold", type=float, default=0.0, help="stop once test AUC reaches it")
     e = p.add_argument_group("evaluation and output")
-    e.add_argument("--test-freq", type=int, default=200, help="evaluate every N iterations (-1: only at the end)")
+    e.add_argument("--test-freq", type=int, default=250,
+                   help="evaluate before training and every N iterations (-1: only at the end)")
     e.add_argument("--test-mini-batch-size", type=int, default=-1, help="(-1: --mini-batch-size)")
     e.add_argument("--num-test-batches", type=int, default=0, help="held-out batches (0: a tenth, at least 4)")
-    e.add_argument("--print-freq", type=int, default=100)
+    e.add_argument("--print-freq", type=int, default=250)
     e.add_argument("--print-time", action="store_true", default=False)
     e.add_argument("--save-model", default="", help="checkpoint file, written at every test and at the end")
     e.add_argument("--load-model", default="", help="resume from this checkpoint")
@@ -87,27 +88,25 @@ class DatasetData:
     """Adapter from jitkern.dlrm.data (preprocessed Criteo) to the trainer's batch-source protocol."""
 
     def __init__(self, path, split, batch_size, num_batches, *, shuffle, seed, max_ind_range):
-        try:
-            from .data import iterate_batches, load_preprocessed
-        except ImportError as e:
-            raise NotImplementedError(f"--data-generation dataset needs jitkern.dlrm.data ({e})") from None
+        from .data import iterate_batches, load_preprocessed, table_sizes
+
         self._iterate = iterate_batches
         self.ds = load_preprocessed(path, split)
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.max_ind_range = max_ind_range if max_ind_range > 0 else None
-        rows = len(self.ds.labels)
-        full = math.ceil(rows / batch_size)
+        full = math.ceil(len(self.ds) / batch_size)
+        if full == 0:
+            raise ValueError(f"{path}: the {split} split is empty")
         self.num_batches = min(num_batches, full) if num_batches > 0 else full
         self.num_dense = self.ds.dense.shape[1]
-        cards = [int(c) for c in self.ds.cardinalities]
-        self.embedding_sizes = [min(c, max_ind_range) for c in cards] if max_ind_range > 0 else cards
+        self.embedding_sizes = table_sizes(self.ds, self.max_ind_range)
 
     def __len__(self):
         return self.num_batches
 
     def batches(self, epoch=0, start=0):
         it = self._iterate(self.ds, self.batch_size, shuffle=self.shuffle, seed=self.seed + epoch,
-                           block_size=None, max_ind_range=self.max_ind_range, drop_last=False)
+                           max_ind_range=self.max_ind_range, drop_last=False)
         for i, b in enumerate(it):
             if i >= self.num_batches:
                 return

@@ -102,7 +102,7 @@ class Teacher:
     RANK = 4
     MAX_ROWS = 4096       # teacher rows per table; larger tables share them by index modulo
 
-    def __init__(self, embedding_sizes, num_dense, seed, scale=3.0, shift=-1.0):
+    def __init__(self, embedding_sizes, num_dense, seed, scale=4.0, shift=-1.0):
         rng = np.random.default_rng([seed, 0x7EAC])
         self.a = rng.standard_normal(num_dense) * np.sqrt(12.0 / num_dense)   # (d - 0.5) has variance 1/12
         self.bias = [rng.standard_normal(min(r, self.MAX_ROWS)) for r in embedding_sizes]
@@ -121,9 +121,9 @@ class Teacher:
             vecs.append(np.add.reduceat(self.vec[t][rows], offsets[t], axis=0) / sizes[:, None])
         terms.append(bias / np.sqrt(t_count))
         if t_count > 1:
-            v = np.stack(vecs, axis=1)                          # (B, T, RANK)
-            gram = np.einsum("btr,bsr->bts", v, v)
-            pairs = (gram.sum(axis=(1, 2)) - np.einsum("btt->b", gram)) / 2
+            # sum over table pairs t < s of <v_t, v_s> = (|sum_t v_t|^2 - sum_t |v_t|^2) / 2
+            total = sum(vecs)
+            pairs = ((total * total).sum(axis=1) - sum((v * v).sum(axis=1) for v in vecs)) / 2
             terms.append(pairs / np.sqrt(self.RANK * t_count * (t_count - 1) / 2))
         return self.scale * sum(terms) / np.sqrt(len(terms)) + self.shift
 

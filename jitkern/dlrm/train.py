@@ -268,6 +268,8 @@ class Trainer:
         st, opts, n = self.state, self.opts, len(self.train_data)
         if st.batch >= n:                   # resumed from a run that finished its (shorter) epoch
             st.epoch, st.batch = st.epoch + 1, 0
+        if opts.test_freq > 0 and st.step == 0:
+            self.evaluate()                  # the untrained model's metrics, for contrast
         bar = self._progress()
         stop, pending, since = False, [], time.perf_counter()
         try:
