@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .layout import SPLITS, LayoutError, day_splits, open_layout, open_npy
+from .layout import SPLITS, LayoutError, day_splits, open_layout
 from .raw import N_DENSE, N_FIELDS, N_SPARSE, transform_dense
 
 MLPERF_RECORD = np.dtype("<i4")      # 40 int32 per record: label, 13 raw dense, 26 ids (160 bytes)
@@ -73,10 +73,6 @@ class CriteoDataset:
 
     def __repr__(self):
         return f"CriteoDataset({self.meta.get('format', '?')} {self.source!r}, split={self.split!r}, rows={len(self)})"
-
-
-def _rows(a, start, stop):
-    return a.rows(start, stop) if isinstance(a, RowView) else a[start:stop]
 
 
 def _check_split(split):
@@ -219,4 +215,4 @@ def load_preprocessed(path, split: str = "train") -> CriteoDataset:
 
 
 __all__ = ["CriteoDataset", "RowView", "load_preprocessed", "load_layout", "load_mlperf_bin",
-           "load_torchrec", "open_mlperf_bin", "open_npy"]
+           "load_torchrec", "open_mlperf_bin"]
