@@ -32,7 +32,7 @@ from ..codegen.prefetch import prefetch, prefetch_write
 from .optim import SplitBF16Table, as_float32, as_uint32, widen
 
 SPECIALISED_D = (16, 32, 64, 128)  # widths that get a compile-time-D kernel
-PREFETCH = 8                       # rows (forward) / row groups (updates) prefetched ahead
+PREFETCH = 16                      # rows (forward) / row groups (updates) prefetched ahead
 _RADIX_BITS = 12                   # digit width of the radix sort (4096-entry histogram)
 _MODES = ("sum", "mean")
 _UPDATES = ("grad", "sgd", "sgd_bf16", "adagrad")

@@ -1,0 +1,291 @@
+"""Embedding bags against ops.reference: forward, sparse backward, fused SGD/Adagrad, BF16 Split-SGD.
+
+Hypothesis draws D only from widths outside SPECIALISED_D (they all share the generic runtime-D
+kernel); each specialised width is compiled and checked once in test_specialised_widths.
+"""
+import numba
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jitkern.codegen.prefetch import prefetch, prefetch_write
+from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_backward, embedding_bag_forward
+from jitkern.ops import embedding_bag_sgd_, reference
+from jitkern.ops.embedding import SPECIALISED_D
+
+EPS32 = 2.0 ** -23
+GENERIC_D = [d for d in range(1, 301) if d not in SPECIALISED_D]
+
+
+def _bags(rng, num_rows, sizes, hot, index_dtype, last):
+    """indices (nnz,) with a few hot rows when `hot`, offsets (B,) or (B+1,)."""
+    nnz = int(sum(sizes))
+    idx = rng.integers(0, num_rows, nnz)
+    if hot and nnz:
+        hot_rows = rng.integers(0, num_rows, 3)
+        mask = rng.random(nnz) < 0.7
+        idx[mask] = hot_rows[rng.integers(0, 3, mask.sum())]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return idx.astype(index_dtype), (starts if last else starts[:-1])
+
+
+def _tol(abs_sum, length):
+    """Float32 summation bound: (n + 2) ulp-units of the sum of absolute terms."""
+    return (length + 2) * EPS32 * abs_sum + 1e-30
+
+
+@st.composite
+def problems(draw):
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    num_rows = draw(st.sampled_from([1, 2, 7, 31, 97, 300]))
+    dim = draw(st.sampled_from(GENERIC_D))
+    nbags = draw(st.integers(1, 12))
+    sizes = [draw(st.sampled_from([0, 1, 2, 5, 13, 50])) for _ in range(nbags)]
+    last = draw(st.booleans())
+    idx, off = _bags(rng, num_rows, sizes, draw(st.booleans()), draw(st.sampled_from([np.int32, np.int64])), last)
+    psw = rng.standard_normal(len(idx)).astype(np.float32) if draw(st.booleans()) else None
+    mode = draw(st.sampled_from(["sum", "mean"]))
+    w = rng.standard_normal((num_rows, dim)).astype(np.float32)
+    dout = rng.standard_normal((nbags, dim)).astype(np.float32)
+    kw = dict(mode=mode, per_sample_weights=psw, include_last_offset=last)
+    return w, idx, off, dout, kw, max(sizes + [1])
+
+
+@given(problems())
+def test_forward_matches_reference(p):
+    w, idx, off, _, kw, longest = p
+    got = embedding_bag_forward(w, idx, off, **kw)
+    want = reference.embedding_bag_forward(w, idx, off, **kw)
+    kw_abs = dict(kw, per_sample_weights=None if kw["per_sample_weights"] is None else np.abs(kw["per_sample_weights"]))
+    bound = _tol(reference.embedding_bag_forward(np.abs(w), idx, off, **kw_abs), longest)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.all(np.abs(got - want) <= bound)
+
+
+@given(problems())
+def test_backward_and_updates_match_reference(p):
+    w, idx, off, dout, kw, _ = p
+    rows, drows = embedding_bag_backward(idx, off, dout, w.shape[0], **kw)
+    want_rows, want_drows = reference.embedding_bag_backward(idx, off, dout, w.shape[0], **kw)
+    np.testing.assert_array_equal(rows, want_rows)
+    assert rows.dtype == np.int64 and drows.shape == want_drows.shape and drows.dtype == np.float32
+    kw_abs = dict(kw, per_sample_weights=None if kw["per_sample_weights"] is None else np.abs(kw["per_sample_weights"]))
+    _, abs_drows = reference.embedding_bag_backward(idx, off, np.abs(dout), w.shape[0], **kw_abs)
+    longest = int(np.bincount(idx.astype(np.int64)).max()) if len(idx) else 1
+    gbound = _tol(abs_drows, longest)
+    assert np.all(np.abs(drows - want_drows) <= gbound)
+
+    lr = 0.3
+    got_w, want_w = w.copy(), w.copy()
+    assert embedding_bag_sgd_(got_w, idx, off, dout, lr, **kw) is got_w
+    reference.embedding_bag_sgd_(want_w, idx, off, dout, lr, **kw)
+    wbound = np.zeros_like(w)
+    wbound[rows] = lr * gbound + 2 * EPS32 * (np.abs(w[rows]) + lr * abs_drows)
+    assert np.all(np.abs(got_w - want_w) <= wbound)
+
+    state = np.abs(np.random.default_rng(1).standard_normal(w.shape[0])).astype(np.float32)
+    got_w, want_w, got_s, want_s = w.copy(), w.copy(), state.copy(), state.copy()
+    embedding_bag_adagrad_(got_w, got_s, idx, off, dout, lr, 1e-3, **kw)
+    reference.embedding_bag_adagrad_(want_w, want_s, idx, off, dout, lr, 1e-3, **kw)
+    np.testing.assert_allclose(got_s, want_s, rtol=4 * longest * EPS32 * 4, atol=1e-30)
+    untouched = np.setdiff1d(np.arange(w.shape[0]), rows)
+    np.testing.assert_array_equal(got_w[untouched], w[untouched])
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-4, atol=1e-5 * lr * (1 + abs_drows.max(initial=0)) * longest)
+
+
+@pytest.mark.parametrize("dim", SPECIALISED_D)
+def test_specialised_widths(dim):
+    """The compile-time-D kernels (vector row ops, stack accumulator) agree with the reference."""
+    rng = np.random.default_rng(dim)
+    w = rng.standard_normal((500, dim)).astype(np.float32)
+    idx, off = _bags(rng, 500, [0, 1, 3, 20, 50, 7, 0, 2], True, np.int64, False)
+    dout = rng.standard_normal((len(off), dim)).astype(np.float32)
+    np.testing.assert_allclose(embedding_bag_forward(w, idx, off),
+                               reference.embedding_bag_forward(w, idx, off), rtol=1e-5, atol=1e-4)
+    got, want = w.copy(), w.copy()
+    embedding_bag_sgd_(got, idx, off, dout, 0.1)
+    reference.embedding_bag_sgd_(want, idx, off, dout, 0.1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    if dim == SPECIALISED_D[0]:
+        rows, drows = embedding_bag_backward(idx, off, dout, 500)
+        want_rows, want_drows = reference.embedding_bag_backward(idx, off, dout, 500)
+        np.testing.assert_array_equal(rows, want_rows)
+        np.testing.assert_allclose(drows, want_drows, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dim", [128, 37])
+def test_bf16_split_sgd_equals_fp32_sgd_bit_for_bit(dim):
+    rng = np.random.default_rng(dim)
+    w = rng.standard_normal((300, dim)).astype(np.float32)
+    table = SplitBF16Table.from_float32(w)
+    assert table.shape == (300, dim) and table.num_rows == 300 and table.dim == dim
+    assert table.to_float32().view(np.uint32).tolist() == w.view(np.uint32).tolist()
+    for step in range(4):
+        idx, off = _bags(rng, 300, [3, 0, 20, 9, 1], step % 2 == 0, np.int64, False)
+        dout = rng.standard_normal((len(off), dim)).astype(np.float32)
+        assert embedding_bag_sgd_(table, idx, off, dout, 0.05) is table
+        embedding_bag_sgd_(w, idx, off, dout, 0.05)
+    np.testing.assert_array_equal(table.to_float32().view(np.uint32), w.view(np.uint32))
+    hi, lo = reference.bf16_split(w)
+    np.testing.assert_array_equal(table.hi, hi)
+    np.testing.assert_array_equal(table.lo, lo)
+    # the forward reads the bf16 halves only: equals the reference on the bf16-rounded table
+    got = embedding_bag_forward(table, idx, off, mode="mean")
+    want = reference.embedding_bag_forward(reference.bf16_to_float32(table.hi), idx, off, mode="mean")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
+def test_parallel_update_is_deterministic_and_thread_count_independent():
+    rng = np.random.default_rng(7)
+    w0 = rng.standard_normal((5000, 37)).astype(np.float32)
+    idx, off = _bags(rng, 5000, [20] * 300, True, np.int64, False)
+    dout = rng.standard_normal((300, 37)).astype(np.float32)
+    results = []
+    before = numba.get_num_threads()
+    try:
+        for threads in (2, 2, 1):
+            numba.set_num_threads(threads)
+            w, s = w0.copy(), np.zeros(5000, np.float32)
+            embedding_bag_sgd_(w, idx, off, dout, 0.1)
+            embedding_bag_adagrad_(w, s, idx, off, dout, 0.1)
+            results.append((w.view(np.uint32).copy(), s.view(np.uint32).copy()))
+    finally:
+        numba.set_num_threads(before)
+    for w, s in results[1:]:
+        np.testing.assert_array_equal(w, results[0][0])
+        np.testing.assert_array_equal(s, results[0][1])
+
+
+def test_empty_bags_and_batches():
+    w = np.arange(12, dtype=np.float32).reshape(4, 3)
+    off = np.array([0, 0, 2, 2], np.int64)
+    idx = np.array([1, 1], np.int64)
+    out = embedding_bag_forward(w, idx, off, mode="mean")
+    np.testing.assert_array_equal(out, [[0, 0, 0], [3, 4, 5], [0, 0, 0], [0, 0, 0]])
+    empty = np.empty(0, np.int64)
+    assert embedding_bag_forward(w, empty, empty).shape == (0, 3)
+    rows, drows = embedding_bag_backward(empty, np.zeros(3, np.int64), np.ones((3, 3), np.float32), 4)
+    assert rows.shape == (0,) and drows.shape == (0, 3)
+    w2 = w.copy()
+    embedding_bag_sgd_(w2, empty, np.zeros(3, np.int64), np.ones((3, 3), np.float32), 1.0)
+    np.testing.assert_array_equal(w2, w)
+    out = np.full((4, 3), np.nan, np.float32)
+    assert embedding_bag_forward(w, idx, off, out=out) is out and np.isfinite(out).all()
+
+
+def _args():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((10, 5)).astype(np.float32)
+    idx = np.array([1, 2, 9, 0, 4], np.int64)
+    off = np.array([0, 2], np.int64)
+    return w, idx, off, rng.standard_normal((2, 5)).astype(np.float32)
+
+
+@pytest.mark.parametrize("bad", [10, -1, 2**40])
+def test_out_of_range_index_names_argument_position_value_and_changes_nothing(bad):
+    w, idx, off, dout = _args()
+    idx[3] = bad
+    w0 = w.copy()
+    state = np.zeros(10, np.float32)
+    table = SplitBF16Table.from_float32(w)
+    for call in (lambda: embedding_bag_forward(w, idx, off),
+                 lambda: embedding_bag_forward(table, idx, off),
+                 lambda: embedding_bag_sgd_(w, idx, off, dout, 0.1),
+                 lambda: embedding_bag_sgd_(table, idx, off, dout, 0.1),
+                 lambda: embedding_bag_adagrad_(w, state, idx, off, dout, 0.1)):
+        with pytest.raises(IndexError, match=rf"indices\[3\] = {bad} .*weight.* 10 rows"):
+            call()
+    with pytest.raises(IndexError, match=r"indices\[3\]"):
+        embedding_bag_backward(idx, off, dout, 10)
+    np.testing.assert_array_equal(w, w0)
+    np.testing.assert_array_equal(table.to_float32(), w0)
+    assert not state.any()
+
+
+@pytest.mark.parametrize("offsets, last, match", [
+    ([1, 2], False, r"offsets\[0\] must be 0"),
+    ([0, 3, 2], False, r"non-decreasing: offsets\[2\]"),
+    ([0, 6], False, r"offsets\[1\] = 6 is beyond"),
+    ([0, 2, 4], True, "last offset must equal"),
+    ([], True, "B \\+ 1"),
+])
+def test_bad_offsets(offsets, last, match):
+    w, idx, _, dout = _args()
+    w0 = w.copy()
+    off = np.array(offsets, np.int64)
+    with pytest.raises(ValueError, match=match):
+        embedding_bag_forward(w, idx, off, include_last_offset=last)
+    with pytest.raises(ValueError, match=match):
+        embedding_bag_sgd_(w, idx, off, dout[:max(len(off) - last, 0)], 0.1, include_last_offset=last)
+    np.testing.assert_array_equal(w, w0)
+
+
+def test_argument_checks():
+    w, idx, off, dout = _args()
+    w0 = w.copy()
+    state = np.zeros(10, np.float32)
+    with pytest.raises(TypeError, match="weight"):
+        embedding_bag_forward(w.astype(np.float64), idx, off)
+    with pytest.raises(ValueError, match="weight"):
+        embedding_bag_forward(w[:, ::2], idx, off)
+    with pytest.raises(TypeError, match="indices"):
+        embedding_bag_forward(w, idx.astype(np.float32), off)
+    with pytest.raises(TypeError, match="indices"):
+        embedding_bag_forward(w, list(idx), off)
+    with pytest.raises(ValueError, match="mode"):
+        embedding_bag_forward(w, idx, off, mode="max")
+    with pytest.raises(ValueError, match="per_sample_weights"):
+        embedding_bag_forward(w, idx, off, per_sample_weights=np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="out"):
+        embedding_bag_forward(w, idx, off, out=np.empty((3, 5), np.float32))
+    with pytest.raises(ValueError, match="offsets defines no bags"):
+        embedding_bag_forward(w, idx, np.empty(0, np.int64))
+    with pytest.raises(ValueError, match="lr must be finite"):
+        embedding_bag_sgd_(w, idx, off, dout, float("nan"))
+    with pytest.raises(ValueError, match="lr must be finite"):
+        embedding_bag_adagrad_(w, state, idx, off, dout, float("inf"))
+    with pytest.raises(TypeError, match="dout"):
+        embedding_bag_sgd_(w, idx, off, dout.astype(np.float64), 0.1)
+    with pytest.raises(ValueError, match="dout"):
+        embedding_bag_sgd_(w, idx, off, dout[:, :4], 0.1)
+    with pytest.raises(ValueError, match="state"):
+        embedding_bag_adagrad_(w, state[:9], idx, off, dout, 0.1)
+    with pytest.raises(TypeError, match="SplitBF16Table"):
+        embedding_bag_adagrad_(SplitBF16Table.from_float32(w), state, idx, off, dout, 0.1)
+    with pytest.raises(ValueError, match="num_rows"):
+        embedding_bag_backward(idx, off, dout, -1)
+    frozen = w.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        embedding_bag_sgd_(frozen, idx, off, dout, 0.1)
+    np.testing.assert_array_equal(w, w0)
+    assert not state.any()
+
+
+def test_int32_offsets_and_strided_indices_are_accepted():
+    w, idx, off, _ = _args()
+    strided = np.repeat(idx, 2)[::2]
+    np.testing.assert_array_equal(embedding_bag_forward(w, strided, off.astype(np.int32)),
+                                  embedding_bag_forward(w, idx, off))
+
+
+@numba.njit
+def _prefetched_sum(w, v, idx):
+    s = 0.0
+    for j in range(idx.shape[0]):
+        prefetch(w, idx[(j + 4) % idx.shape[0]], 0)
+        prefetch_write(v, idx[j] * 1000, 64)  # hints may point anywhere: never dereferenced
+        s += w[idx[j], 0]
+    return s
+
+
+def test_prefetch_intrinsic_emits_llvm_prefetch_and_changes_nothing():
+    w = np.arange(20, dtype=np.float32).reshape(10, 2)
+    v = np.zeros(3, np.float32)
+    idx = np.array([3, 1, 4, 1, 5, 9, 2, 6], np.int64)
+    assert _prefetched_sum(w, v, idx) == w[idx, 0].sum()
+    llvm_ir = _prefetched_sum.inspect_llvm(_prefetched_sum.signatures[0])
+    assert "@llvm.prefetch" in llvm_ir
