@@ -82,7 +82,8 @@ def install_fault_handlers(comm) -> None:
         comm.Abort(1)
 
     sys.excepthook = excepthook
-    atexit.register(_exit_together, comm)
+    # its own communicator: the exit barrier must never match a collective the others are in
+    atexit.register(_exit_together, comm.Dup())
 
 
 def _exit_together(comm) -> None:

@@ -1,0 +1,127 @@
+"""Hybrid-parallel DLRM: placement properties in process; equivalence and faults under mpiexec.
+
+The MPI runs launch `mpiexec -n P` in a subprocess with a timeout, so a hanging rank fails the
+test instead of hanging the suite. Models are tiny; kernels come from numba's disk cache.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jitkern.dlrm.dist import EXIT_GRACE_S
+from jitkern.dlrm.placement import REPLICATED, batch_slices, place_tables
+
+SCRIPTS = Path(__file__).parent / "mpi_scripts"
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found (pip install jitkern[mpi])")
+
+
+# --------------------------------------------------------------------------- placement (no MPI)
+
+
+@given(st.lists(st.integers(1, 10**6), min_size=1, max_size=40), st.integers(1, 9), st.sampled_from([4, 16]))
+def test_placement_covers_every_table_once_and_balances(sizes, nranks, dim):
+    p = place_tables(sizes, dim, nranks)
+    assert len(p.owner) == len(sizes)
+    for t, o in enumerate(p.owner):
+        small = sizes[t] * dim * 4 <= 1 << 16
+        assert (o == REPLICATED) == (small and nranks > 1)
+        assert o == REPLICATED or 0 <= o < nranks
+    owned = sorted(t for r in range(nranks) for t in p.tables_of(r))
+    assert owned == sorted(set(range(len(sizes))) - set(p.replicated))
+    # greedy largest-first: no rank exceeds the mean load by more than the largest single table
+    placed = [t for t in range(len(sizes)) if p.owner[t] != REPLICATED]
+    if placed:
+        tb, tl = sum(sizes[t] for t in placed), len(placed)
+        cost = lambda t: sizes[t] / tb + 1 / tl
+        loads = [sum(cost(t) for t in p.tables_of(r)) for r in range(nranks)]
+        assert max(loads) <= sum(loads) / nranks + max(cost(t) for t in placed) + 1e-9
+
+
+def test_placement_balances_bytes_and_lookups():
+    p = place_tables([2000, 2000, 2000, 2000, 10**6, 10**6], 16, 2, lookups=[1, 1, 1, 1, 1, 1])
+    assert [len(p.tables_of(r)) for r in range(2)] == [3, 3]
+    assert p.owner[4] != p.owner[5]
+    assert place_tables([5, 10**6], 16, 1).owner == (0, 0)          # one rank: nothing replicated
+    assert "rank 1" in p.describe()
+
+
+@pytest.mark.parametrize("bad", [dict(nranks=0), dict(dim=0), dict(sizes=[0, 4])])
+def test_placement_rejects_bad_arguments(bad):
+    args = dict(sizes=[10, 20], dim=16, nranks=2) | bad
+    with pytest.raises(ValueError):
+        place_tables(**args)
+
+
+@given(st.integers(0, 1000), st.integers(1, 17))
+def test_batch_slices_partition_the_batch(batch, nranks):
+    s = batch_slices(batch, nranks)
+    assert s[0][0] == 0 and s[-1][1] == batch
+    assert all(a[1] == b[0] for a, b in zip(s, s[1:]))
+    sizes = [hi - lo for lo, hi in s]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_single_process_never_imports_mpi4py():
+    code = ("import sys, numpy as np; from jitkern.dlrm.model import DLRM; from jitkern.dlrm.dist import comm_from_env;"
+            "assert comm_from_env() is None; DLRM([10, 20], 16, [3, 16], [1]);"
+            "assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# --------------------------------------------------------------------------- under mpiexec
+
+
+def _mpiexec(n, script, *args, timeout=120):
+    """Run the script on n ranks; -> (CompletedProcess, wall-clock time.time() at its end)."""
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, str(SCRIPTS / script), *map(str, args)]
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return r, time.time()
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks, interaction, self_interaction", [(2, "dot", 0), (3, "cat", 1)])
+def test_ranks_match_one_process(ranks, interaction, self_interaction):
+    # B = 67 is prime: uneven slices for 2 and 3 ranks; 3 ranks own 1 or 2 tables (uneven)
+    r, _ = _mpiexec(ranks, "equivalence.py", 67, 4, interaction, self_interaction)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["ranks"] == ranks
+    owners = out["placement"]
+    assert REPLICATED in owners and all(o in owners for o in range(ranks))
+    np.testing.assert_allclose(out["losses_dist"], out["losses_single"], rtol=1e-6)
+    assert out["weight_err"] < 1e-6
+    assert out["probs_err"] < 1e-6
+    assert out["load_probs_err"] < 1e-6
+    assert out["replicas_identical"]
+
+
+@needs_mpi
+@pytest.mark.parametrize("mode", ["raise", "kill", "exit"])
+def test_failing_rank_ends_every_rank_promptly(mode):
+    r, end = _mpiexec(3, "fault.py", mode, 1, timeout=90)
+    assert r.returncode != 0
+    assert "finished" not in r.stdout
+    failed_at = float(re.search(r"rank 1 failing at ([0-9.]+)", r.stdout).group(1))
+    # an exception or a kill ends the job in about a second; an early exit after the grace period
+    limit = 1 + (EXIT_GRACE_S if mode == "exit" else 0) + 5
+    assert end - failed_at < limit, (end - failed_at, r.stderr[-2000:])
+    if mode == "exit":
+        assert "rank 1 of 3 is exiting but other ranks did not finish" in r.stderr
+    elif mode == "raise":
+        assert "rank 1 of 3 failed: RuntimeError: injected failure" in r.stderr
+    else:
+        # mpiexec reports the killed job; our start-up line maps every pid to its rank
+        assert re.search(r"ranks: 0=pid \d+ on \S+, 1=pid \d+", r.stdout)
+        assert "BAD TERMINATION" in r.stdout + r.stderr
