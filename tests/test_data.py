@@ -122,6 +122,15 @@ def test_blank_line_and_corrupt_gzip(tmp_path):
         read_raw(gz)
 
 
+def test_runaway_line_is_an_error(tmp_path, monkeypatch):
+    import jitkern.dlrm.data.raw as raw
+    monkeypatch.setattr(raw, "MAX_LINE_BYTES", 5000)
+    path = tmp_path / "binary.dat"
+    path.write_bytes(SAMPLE.read_bytes()[:300].replace(b"\n", b" ") * 30)
+    with pytest.raises(RawDataError, match="binary.dat: line 1: no newline in"):
+        read_raw(path, chunk_bytes=1000)
+
+
 # ---- preprocessing ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ _REASONS = {
     TOO_LONG: "value too long (dense: at most 18 digits, categorical: at most 8 hex digits)",
 }
 DEFAULT_CHUNK_BYTES = 16 << 20
+MAX_LINE_BYTES = 64 << 20      # a longer "line" means the input is not a Criteo text file
 
 
 class RawDataError(ValueError):
@@ -201,6 +202,9 @@ def iter_chunks(path, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
                     return
                 cut = data.rfind(b"\n") + 1
                 if cut == 0:             # a line longer than one chunk: keep reading
+                    if len(data) > MAX_LINE_BYTES:
+                        raise RawDataError(f"{path}: line {line}: no newline in {len(data):,} bytes "
+                                           "(not a Criteo text log?)")
                     carry = data
                     continue
                 carry = data[cut:]
