@@ -34,6 +34,11 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 MAX_LINE_BYTES = 64 << 20      # a longer "line" means the input is not a Criteo text file
 
 
+_HEX_VALUE = np.full(256, -1, np.int64)     # byte -> hex digit value, -1 if not a hex digit
+for _i, _c in enumerate(b"0123456789abcdef"):
+    _HEX_VALUE[_c] = _HEX_VALUE[ord(chr(_c).upper())] = _i
+
+
 class RawDataError(ValueError):
     """A malformed raw line: names the file, the 1-based line number and the field."""
 
@@ -96,13 +101,8 @@ def _parse_lines(buf, labels, dense, cats, empty, err, err_field, err_pos):
                     code = BAD_CHAR
                     break
             else:
-                if c >= 48 and c <= 57:
-                    h = c - 48
-                elif c >= 97 and c <= 102:
-                    h = c - 87
-                elif c >= 65 and c <= 70:
-                    h = c - 55
-                else:
+                h = _HEX_VALUE[c]
+                if h < 0:
                     code = BAD_CHAR
                     break
                 acc = acc * 16 + h
