@@ -1,0 +1,204 @@
+"""python -m jitkern bench dlrm --config NAME [--threads N]: a DLRM training step, jitkern vs PyTorch.
+
+Both models start from the same weights and train on the same random batches (the reference's
+generator, fixed pooling), in one process; the PyTorch model is dlrm_s_pytorch.py's
+(nn.EmbeddingBag(mode="sum", sparse=True), Linear + ReLU, bmm + tril-gather interaction,
+Sigmoid + BCELoss, optim.SGD). Also reported: jitkern's peak memory over its parameter bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import sys
+
+import numpy as np
+
+from ..dlrm.model import DLRM, StageTimer
+from ..dlrm.synth import random_batch
+from .common import blas_description, do_bench, print_table, set_threads, torch_or_none
+
+KAGGLE_TABLES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
+                 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+
+CONFIGS = {
+    "kaggle": dict(tables=KAGGLE_TABLES, dim=16, bottom=[13, 512, 256, 64, 16], top=[512, 256, 1], pooling=1),
+    "kaggle-multihot": dict(tables=KAGGLE_TABLES, dim=16, bottom=[13, 512, 256, 64, 16], top=[512, 256, 1],
+                            pooling=20),
+    "mlperf": dict(tables=[200_000] * 26, dim=128, bottom=[13, 512, 256, 128], top=[1024, 1024, 512, 256, 1],
+                   pooling=1),
+    "paper-small": dict(tables=[1_000_000] * 8, dim=64, bottom=[512, 512, 64], top=[1024, 1024, 1024, 1],
+                        pooling=100),
+    # not one of the issue's configs: a quick check that everything runs
+    "tiny": dict(tables=[1000] * 8, dim=16, bottom=[13, 64, 16], top=[64, 1], pooling=2),
+}
+LR = 0.01
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_bytes() -> int:
+    kib = _status_kib("VmRSS")
+    return 0 if kib is None else kib * 1024
+
+
+def peak_rss_bytes() -> int:
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        import resource
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024
+
+
+# --------------------------------------------------------------------------- PyTorch baseline
+
+
+def torch_dlrm(torch, model: DLRM):
+    """dlrm_s_pytorch.py's model (dot interaction) with `model`'s current weights."""
+    nn = torch.nn
+
+    def mlp(ws, bs, last_sigmoid):
+        layers = []
+        for l, (w, b) in enumerate(zip(ws, bs)):
+            lin = nn.Linear(w.shape[1], w.shape[0])
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(w))
+                lin.bias.copy_(torch.from_numpy(b))
+            layers += [lin, nn.Sigmoid() if (last_sigmoid and l == len(ws) - 1) else nn.ReLU()]
+        return nn.Sequential(*layers)
+
+    class TorchDLRM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.ModuleList()
+            for w in model.emb:
+                bag = nn.EmbeddingBag(w.shape[0], w.shape[1], mode="sum", sparse=True, _weight=torch.from_numpy(w.copy()))
+                self.emb.append(bag)
+            self.bot = mlp(model.bot_w, model.bot_b, False)
+            self.top = mlp(model.top_w, model.top_b, True)
+            f = model.num_tables + 1
+            self.li = torch.tensor([i for i in range(f) for j in range(i)])
+            self.lj = torch.tensor([j for i in range(f) for j in range(i)])
+
+        def forward(self, dense, offsets, indices):
+            x = self.bot(dense)
+            ly = [e(i, o) for e, i, o in zip(self.emb, indices, offsets)]
+            b, d = x.shape
+            t = torch.cat([x] + ly, dim=1).view((b, -1, d))
+            z = torch.bmm(t, torch.transpose(t, 1, 2))
+            return self.top(torch.cat([x, z[:, self.li, self.lj]], dim=1))
+
+    return TorchDLRM()
+
+
+def torch_step_fn(torch, model: DLRM, batches):
+    net = torch_dlrm(torch, model)
+    loss_fn = torch.nn.BCELoss(reduction="mean")
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    tb = [(torch.from_numpy(b.dense), [torch.from_numpy(o) for o in b.offsets],
+           [torch.from_numpy(i) for i in b.indices], torch.from_numpy(b.labels).view(-1, 1)) for b in batches]
+    it = itertools.cycle(tb)
+
+    def step():
+        dense, offsets, indices, labels = next(it)
+        opt.zero_grad()
+        loss = loss_fn(net(dense, offsets, indices), labels)
+        loss.backward()
+        opt.step()
+    return step
+
+
+# --------------------------------------------------------------------------- main
+
+
+def make_batches(cfg, batch_size, n, seed=0):
+    rs = np.random.RandomState(seed)
+    return [random_batch(rs, cfg["tables"], cfg["bottom"][0], batch_size, cfg["pooling"], True)
+            for _ in range(n)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jitkern bench dlrm",
+                                description="DLRM training step: jitkern vs PyTorch, same batches, one process")
+    p.add_argument("--config", choices=sorted(CONFIGS), default="kaggle")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--num-batches", type=int, default=4, help="distinct random batches, cycled")
+    p.add_argument("--reps", type=int, default=6, help="timed steps per implementation (at least)")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--profile", action="store_true", help="jitkern's time per stage")
+    args = p.parse_args(argv)
+    if args.threads < 1 or args.num_batches < 1 or args.reps < 1:
+        print("--threads, --num-batches and --reps must be >= 1", file=sys.stderr)
+        return 2
+    cfg = CONFIGS[args.config]
+    blas = set_threads(args.threads)
+    print(f"config {args.config}: {len(cfg['tables'])} tables ({sum(cfg['tables']):,} rows), D={cfg['dim']}, "
+          f"bottom {'-'.join(map(str, cfg['bottom']))}, top {'-'.join(map(str, cfg['top']))}, "
+          f"pooling {cfg['pooling']}, batch {args.batch_size}, threads {args.threads}")
+    print(blas_description() if blas else "BLAS: unknown")
+    batches = make_batches(cfg, args.batch_size, args.num_batches)
+
+    gc.collect()
+    exact_peak = reset_peak_rss()
+    base = rss_bytes()
+    model = DLRM(cfg["tables"], cfg["dim"], cfg["bottom"], cfg["top"], seed=0)
+    it = itertools.cycle(batches)
+
+    def jk_step():
+        b = next(it)
+        model.train_step(b.dense, b.offsets, b.indices, b.labels, LR)
+    jk = do_bench(jk_step, warmup=2, min_reps=args.reps, min_time=0.0)
+    peak = peak_rss_bytes() - base
+    pbytes = model.parameter_bytes()
+    if args.profile:
+        model.timer = StageTimer()
+        for _ in range(args.reps):
+            jk_step()
+        rows = [[k, f"{1e3 * v / args.reps:.2f}"] for k, v in model.timer.seconds.items()]
+        print_table(["jitkern stage", "ms/step"], rows)
+        model.timer = StageTimer()
+
+    rows = [["jitkern", f"{jk.median * 1e3:.1f}", jk.spread(), f"{args.batch_size / jk.median:,.0f}"]]
+    torch = None if args.no_torch else torch_or_none()
+    if torch is not None:
+        torch.set_num_threads(args.threads)
+        step = torch_step_fn(torch, model, batches)
+        del model
+        gc.collect()
+        tt = do_bench(step, warmup=2, min_reps=args.reps, min_time=0.0)
+        rows.append([f"torch {torch.__version__}", f"{tt.median * 1e3:.1f}", tt.spread(),
+                     f"{args.batch_size / tt.median:,.0f}"])
+    print_table(["implementation", "ms/iter", "spread", "samples/s"], rows)
+    if torch is not None:
+        print(f"jitkern / torch samples/s: {tt.median / jk.median:.2f}x")
+    how = "" if exact_peak else " (process peak: an upper bound)"
+    print(f"jitkern peak memory over the process before the model: {peak / 2**20:,.0f} MiB = "
+          f"{peak / pbytes:.2f}x its {pbytes / 2**20:,.0f} MiB of parameters{how}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
