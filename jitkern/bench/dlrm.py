@@ -22,15 +22,15 @@ KAGGLE_TABLES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 56
                  14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
 
 CONFIGS = {
-    "kaggle": dict(tables=KAGGLE_TABLES, dim=16, bottom=[13, 512, 256, 64, 16], top=[512, 256, 1], pooling=1),
-    "kaggle-multihot": dict(tables=KAGGLE_TABLES, dim=16, bottom=[13, 512, 256, 64, 16], top=[512, 256, 1],
-                            pooling=20),
-    "mlperf": dict(tables=[200_000] * 26, dim=128, bottom=[13, 512, 256, 128], top=[1024, 1024, 512, 256, 1],
-                   pooling=1),
-    "paper-small": dict(tables=[1_000_000] * 8, dim=64, bottom=[512, 512, 64], top=[1024, 1024, 1024, 1],
-                        pooling=100),
+    "kaggle": dict(sizes=KAGGLE_TABLES, dim=16, bottom=[13, 512, 256, 64, 16], top=[512, 256, 1], lookups=1),
+    "kaggle-multihot": dict(sizes=KAGGLE_TABLES, dim=16, bottom=[13, 512, 256, 64, 16], top=[512, 256, 1],
+                            lookups=20),
+    "mlperf": dict(sizes=[200_000] * 26, dim=128, bottom=[13, 512, 256, 128], top=[1024, 1024, 512, 256, 1],
+                   lookups=1),
+    "paper-small": dict(sizes=[1_000_000] * 8, dim=64, bottom=[512, 512, 64], top=[1024, 1024, 1024, 1],
+                        lookups=100),
     # not one of the configs: a quick check that everything runs
-    "tiny": dict(tables=[1000] * 8, dim=16, bottom=[13, 64, 16], top=[64, 1], pooling=2),
+    "tiny": dict(sizes=[1000] * 8, dim=16, bottom=[13, 64, 16], top=[64, 1], lookups=2),
 }
 LR = 0.01
 
@@ -135,7 +135,7 @@ def torch_step_fn(torch, model: DLRM, batches):
 
 def make_batches(cfg, batch_size, n, seed=0):
     rs = np.random.RandomState(seed)
-    return [random_batch(rs, cfg["tables"], cfg["bottom"][0], batch_size, cfg["pooling"], True)
+    return [random_batch(rs, cfg["sizes"], cfg["bottom"][0], batch_size, cfg["lookups"], True)
             for _ in range(n)]
 
 
@@ -155,16 +155,16 @@ def main(argv=None) -> int:
         return 2
     cfg = CONFIGS[args.config]
     blas = set_threads(args.threads)
-    print(f"config {args.config}: {len(cfg['tables'])} tables ({sum(cfg['tables']):,} rows), D={cfg['dim']}, "
+    print(f"config {args.config}: {len(cfg['sizes'])} tables ({sum(cfg['sizes']):,} rows), D={cfg['dim']}, "
           f"bottom {'-'.join(map(str, cfg['bottom']))}, top {'-'.join(map(str, cfg['top']))}, "
-          f"pooling {cfg['pooling']}, batch {args.batch_size}, threads {args.threads}")
+          f"pooling {cfg['lookups']}, batch {args.batch_size}, threads {args.threads}")
     print(blas_description() if blas else "BLAS: unknown")
     batches = make_batches(cfg, args.batch_size, args.num_batches)
 
     gc.collect()
     exact_peak = reset_peak_rss()
     base = rss_bytes()
-    model = DLRM(cfg["tables"], cfg["dim"], cfg["bottom"], cfg["top"], seed=0)
+    model = DLRM(cfg["sizes"], cfg["dim"], cfg["bottom"], cfg["top"], seed=0)
     it = itertools.cycle(batches)
 
     def jk_step():
