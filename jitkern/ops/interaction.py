@@ -1,7 +1,436 @@
-"""PLACEHOLDER until the kernel issue lands: delegates to the NumPy references."""
-from .reference import ( # noqa: F401
-    interaction_dot_forward,
-    interaction_dot_backward,
-    interaction_cat_forward,
-    interaction_cat_backward,
-)
+"""Feature interaction kernels: dot (pairwise dots of the F = T+1 vectors) and cat, forward and backward.
+
+Per sample the F x D block (F <= ~41, D <= ~256) fits in L1, so each thread copies one sample's
+vectors into a small scratch and does all its work there; the batch is split across threads.
+  forward:  row i of the lower triangle, z[i, j] for j < i (+1), is one vector over j: the scratch
+            holds the sample transposed (D, Fp) so that z[i, j0:j0+W] += T[i, d] * Tt[d, j0:j0+W]
+            is a broadcast FMA; a 4-row register tile shares every load. Only the triangle is written.
+  backward: dT = S @ T with S the symmetric F x F matrix built once from dz's triangle (instead of
+            the reference's dZ @ T + dZ^T @ T); a 4-row x W-lane register tile over D.
+The vectors are LLVM `<W x float>` values (W from the host ISA) made available to numba through
+the small intrinsic set below, so LLVM keeps the accumulators in registers.
+"""
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+
+# fewest samples worth handing to another thread (a thread hand-off costs ~10-50 us)
+_MIN_PER_THREAD = 32
+# (F, D) classes the DLRM benchmarks and models use get kernels with F and D as literals
+_SPECIALISED = {(27, 16), (27, 32), (27, 64), (27, 128), (9, 64)}
+
+
+# --------------------------------------------------------------------------- vector intrinsics
+
+
+class _F32Vec(types.Type):
+    """An LLVM <n x float> SSA value (lives in a register)."""
+
+    def __init__(self, n):
+        self.n = n
+        super().__init__(name=f"f32x{n}")
+
+
+@register_model(_F32Vec)
+class _F32VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, ir.VectorType(ir.FloatType(), fe_type.n))
+
+
+def _width(w):
+    return w.literal_value if isinstance(w, types.IntegerLiteral) else None
+
+
+def _elem_ptr(context, builder, arrty, arr, idx, n):
+    """Pointer to arr.flat[idx] as a <n x float>* (arr C-contiguous float32)."""
+    data = context.make_array(arrty)(context, builder, arr).data
+    p = builder.gep(data, [idx])
+    return builder.bitcast(p, ir.PointerType(ir.VectorType(ir.FloatType(), n)))
+
+
+@intrinsic
+def _vload(typingctx, arr, idx, w):
+    """arr.flat[idx: idx + w] as a vector (w a compile-time constant)."""
+    n = _width(w)
+    if n is None or not isinstance(arr, types.Array) or arr.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], n)
+        return builder.load(p, align=4)
+    return _F32Vec(n)(arr, idx, w), codegen
+
+
+@intrinsic
+def _vload_addr(typingctx, addr, w):
+    """The w floats at byte address addr as a vector."""
+    n = _width(w)
+    if n is None or not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.PointerType(ir.VectorType(ir.FloatType(), n)))
+        return builder.load(p, align=4)
+    return _F32Vec(n)(addr, w), codegen
+
+
+@intrinsic
+def _vstore(typingctx, arr, idx, v):
+    """arr.flat[idx: idx + n] = v."""
+    if not isinstance(v, _F32Vec) or not isinstance(arr, types.Array) or arr.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], v.n)
+        builder.store(args[2], p, align=4)
+        return context.get_dummy_value()
+    return types.none(arr, idx, v), codegen
+
+
+@intrinsic
+def _vsplat(typingctx, x, w):
+    """A vector of w copies of the float32 x."""
+    n = _width(w)
+    if n is None or x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(ir.FloatType(), n)
+        v = builder.insert_element(ir.Constant(vt, ir.Undefined), args[0], ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+    return _F32Vec(n)(x, w), codegen
+
+
+@intrinsic
+def _vzero(typingctx, w):
+    n = _width(w)
+    if n is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(ir.VectorType(ir.FloatType(), n), [0.0] * n)
+    return _F32Vec(n)(w), codegen
+
+
+@intrinsic
+def _vfma(typingctx, a, b, c):
+    """a * b + c, fused."""
+    if not (isinstance(a, _F32Vec) and a == b == c):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vt = args[0].type
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * 3), f"llvm.fma.v{a.n}f32")
+        return builder.call(fma, args)
+    return a(a, b, c), codegen
+
+
+@intrinsic
+def _vadd(typingctx, a, b):
+    if not (isinstance(a, _F32Vec) and a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(*args)
+    return a(a, b), codegen
+
+
+@intrinsic
+def _vlen(typingctx, v):
+    """The lane count of v, as a compile-time constant."""
+    if not isinstance(v, _F32Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(ir.IntType(64), v.n)
+    return types.int64(v), codegen
+
+
+@intrinsic
+def _f32_ptr(typingctx, addr):
+    """The byte address addr as a float32* (for numba.carray views of the caller's arrays)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+    return types.CPointer(types.float32)(addr), codegen
+
+
+# --------------------------------------------------------------------------- dot kernels
+
+
+@jit(inline="always")
+def _store_row(z, b, i, j0, D, off, a, g):
+    """z[b, row i of the triangle][j0: j0 + W] = a, storing only lanes inside the triangle's row.
+
+    A full vector store that runs past row i's end writes garbage into the following rows; that
+    is safe because (1) rows are stored in increasing order within a chunk and chunks in
+    decreasing order, so every such position is rewritten later by its own row, and (2) a store
+    that would run past the end of z[b] (which another thread may own) goes through g instead.
+    """
+    n = i + off                          # row i's length
+    if j0 >= n:
+        return
+    k = D + i * (i - 1) // 2 + i * off   # pairs in the rows above i
+    nz = z.shape[1]
+    w = _vlen(a)
+    if k + j0 + w <= nz:
+        _vstore(z, b * nz + k + j0, a)
+    else:
+        _vstore(g, 0, a)
+        for j in range(j0, min(n, j0 + w)):
+            z[b, k + j] = g[j - j0]
+
+
+@kernel_factory("interaction_dot_forward")
+def _dot_forward_factory(spec):
+    FC, DC, W = spec["F"], spec["D"], spec["W"]  # F, D: literals, or 0 = read from the arguments
+
+    @jit()
+    def dot_forward(b0, b1, x, addrs, stride, off, z):
+        # samples b0 <= b < b1 of x: (B, D) f32; addrs: (T,) i64 byte address of ly_t[0, 0];
+        # stride: floats from one sample of ly_t to the next; off: 1 to include the diagonal;
+        # z: (B, D + P) output
+        D = DC if DC > 0 else x.shape[1]
+        F = FC if FC > 0 else addrs.shape[0] + 1
+        Fp = (F + W - 1) // W * W
+        tt = np.zeros(D * Fp, np.float32)  # one sample transposed: (D, Fp), columns >= F stay 0
+        g = np.empty(W, np.float32)  # a chunk that would run past the end of z[b]
+        for b in range(b0, b1):
+            for d in range(D):
+                tt[d * Fp] = x[b, d]
+                z[b, d] = x[b, d]
+            for t in range(F - 1):
+                row = numba.carray(_f32_ptr(addrs[t] + 4 * b * stride), (D,))
+                for d in range(D):
+                    tt[d * Fp + t + 1] = row[d]
+            for i0 in range(0, F, 4):
+                # rows past F repeat row F-1: computed, never stored
+                i1, i2, i3 = min(i0 + 1, F - 1), min(i0 + 2, F - 1), min(i0 + 3, F - 1)
+                # lanes the tile's longest row needs, last chunk first (see _store_row)
+                for j0 in range((i3 + off - 1) // W * W, -1, -W):
+                    a0 = a1 = a2 = a3 = _vzero(W)
+                    for d in range(D):
+                        col = d * Fp
+                        v = _vload(tt, col + j0, W)
+                        a0 = _vfma(_vsplat(tt[col + i0], W), v, a0)
+                        a1 = _vfma(_vsplat(tt[col + i1], W), v, a1)
+                        a2 = _vfma(_vsplat(tt[col + i2], W), v, a2)
+                        a3 = _vfma(_vsplat(tt[col + i3], W), v, a3)
+                    _store_row(z, b, i0, j0, D, off, a0, g)
+                    if i0 + 1 < F:
+                        _store_row(z, b, i0 + 1, j0, D, off, a1, g)
+                    if i0 + 2 < F:
+                        _store_row(z, b, i0 + 2, j0, D, off, a2, g)
+                    if i0 + 3 < F:
+                        _store_row(z, b, i0 + 3, j0, D, off, a3, g)
+    return dot_forward
+
+
+@kernel_factory("interaction_dot_backward")
+def _dot_backward_factory(spec):
+    FC, DC, W = spec["F"], spec["D"], spec["W"]
+
+    @jit()
+    def dot_backward(b0, b1, dz, x, addrs, stride, off, dx, dly):
+        # samples b0 <= b < b1 of dz: (B, D + P); x, addrs, stride, off as in the forward;
+        # dx: (B, D), dly: (B, T, D) outputs
+        D = DC if DC > 0 else x.shape[1]
+        F = FC if FC > 0 else addrs.shape[0] + 1
+        T = F - 1
+        Dp = (D + W - 1) // W * W
+        full = D == Dp  # rows go straight to dx/dly; else through o (pad lanes must not be stored)
+        buf = np.zeros(F * Dp, np.float32)     # one sample: (F, Dp), pad lanes stay 0
+        s = np.zeros((F + 3) * F, np.float32)  # symmetric dZ, 3 zero rows for the last tile
+        o = np.empty(4 * Dp, np.float32)
+        for b in range(b0, b1):
+            if full:
+                for j0 in range(0, D, W):
+                    _vstore(buf, j0, _vload(x, b * D + j0, W))
+                    for t in range(T):
+                        _vstore(buf, (t + 1) * Dp + j0, _vload_addr(addrs[t] + 4 * (b * stride + j0), W))
+            else:
+                for d in range(D):
+                    buf[d] = x[b, d]
+                for t in range(T):
+                    row = numba.carray(_f32_ptr(addrs[t] + 4 * b * stride), (D,))
+                    for d in range(D):
+                        buf[(t + 1) * Dp + d] = row[d]
+            k = D
+            for i in range(F):
+                for j in range(i + off):
+                    s[i * F + j] = s[j * F + i] = dz[b, k]
+                    k += 1
+                s[i * F + i] = 2 * dz[b, k - 1] if off else np.float32(0.0)
+            for i0 in range(0, F, 4):
+                for j0 in range(0, Dp, W):
+                    a0 = a1 = a2 = a3 = _vzero(W)
+                    for j in range(F):
+                        v = _vload(buf, j * Dp + j0, W)
+                        a0 = _vfma(_vsplat(s[i0 * F + j], W), v, a0)
+                        a1 = _vfma(_vsplat(s[(i0 + 1) * F + j], W), v, a1)
+                        a2 = _vfma(_vsplat(s[(i0 + 2) * F + j], W), v, a2)
+                        a3 = _vfma(_vsplat(s[(i0 + 3) * F + j], W), v, a3)
+                    if full:
+                        if i0 == 0:
+                            _vstore(dx, b * D + j0, _vadd(a0, _vload(dz, b * dz.shape[1] + j0, W)))
+                        else:
+                            _vstore(dly, (b * T + i0 - 1) * D + j0, a0)
+                        if i0 + 1 < F:
+                            _vstore(dly, (b * T + i0) * D + j0, a1)
+                        if i0 + 2 < F:
+                            _vstore(dly, (b * T + i0 + 1) * D + j0, a2)
+                        if i0 + 3 < F:
+                            _vstore(dly, (b * T + i0 + 2) * D + j0, a3)
+                    else:
+                        _vstore(o, j0, a0)
+                        _vstore(o, Dp + j0, a1)
+                        _vstore(o, 2 * Dp + j0, a2)
+                        _vstore(o, 3 * Dp + j0, a3)
+                if not full:
+                    for q in range(min(4, F - i0)):
+                        i = i0 + q
+                        for d in range(D):
+                            if i == 0:
+                                dx[b, d] = o[d] + dz[b, d]
+                            else:
+                                dly[b, i - 1, d] = o[q * Dp + d]
+    return dot_backward
+
+
+# --------------------------------------------------------------------------- public wrappers
+
+
+def _check_f32(name, a, ndim):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, got {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    return np.ascontiguousarray(a)
+
+
+def _features(x, ly):
+    """Validate x (B, D) and ly ((B, T, D) or T x (B, D)) -> x, keep-alive list, addrs, stride, T.
+
+    The kernels read feature t of sample b at byte address addrs[t] + 4 * b * stride, so a list
+    whose arrays share one row stride (separate (B, D) arrays, or column blocks of one (B, T*D)
+    array) is read in place, without stacking.
+    """
+    x = _check_f32("x", x, 2)
+    B, D = x.shape
+    if isinstance(ly, (list, tuple)):
+        parts = []
+        for t, a in enumerate(ly):
+            if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 2:
+                _check_f32(f"ly[{t}]", a, 2)
+            if a.shape != (B, D):
+                raise ValueError(f"ly[{t}] must have shape (B, D) = {(B, D)} like x, got {a.shape}")
+            parts.append(a)
+        rows = {a.strides[0] for a in parts}
+        if len(rows) != 1 or any(a.strides[1] != 4 for a in parts) or min(rows) <= 0 or min(rows) % 4:
+            parts = [np.ascontiguousarray(a) for a in parts]
+            rows = {4 * D}
+        addrs = np.array([a.ctypes.data for a in parts], np.int64)
+        return x, parts, addrs, (rows.pop() // 4 if B > 1 else D), len(parts)
+    ly = _check_f32("ly", ly, 3)
+    if ly.shape[0] != B or ly.shape[2] != D:
+        raise ValueError(f"ly must have shape (B, T, D) with B, D = {B}, {D} from x, got {ly.shape}")
+    T = ly.shape[1]
+    addrs = ly.ctypes.data + 4 * D * np.arange(T, dtype=np.int64)
+    return x, [ly], addrs, T * D, T
+
+
+@functools.lru_cache(maxsize=None)
+def _pool(workers):
+    return ThreadPoolExecutor(workers, thread_name_prefix="jitkern-interaction")
+
+
+def _over_batch(kernel, B, *args):
+    """kernel(b0, b1, *args) on contiguous batch slices, one per numba thread (kernels are nogil).
+
+    Every sample is computed by the same code whatever the split, so results are bit-identical
+    for any thread count. Serial kernels driven from Python threads compile in half the time of
+    numba parfors, which keeps the per-shape-class compile cost low.
+    """
+    n = max(1, min(numba.get_num_threads(), B // _MIN_PER_THREAD))
+    cuts = [B * k // n for k in range(n + 1)]
+    futures = [_pool(n - 1).submit(kernel, cuts[k], cuts[k + 1], *args) for k in range(1, n)]
+    kernel(0, cuts[1], *args)
+    for f in futures:
+        f.result()
+
+
+def _spec(op, F, D):
+    W = host_target().vector_width
+    F_, D_ = (F, D) if (F, D) in _SPECIALISED else (0, 0)
+    return KernelSpec.make(op, F=F_, D=D_, W=W)
+
+
+def num_pairs(num_features, self_interaction=False):
+    """P: the number of pairwise dots of num_features vectors (with the diagonal if self_interaction)."""
+    return num_features * (num_features + (1 if self_interaction else -1)) // 2
+
+
+def interaction_dot_forward(x, ly, *, self_interaction=False):
+    """z = [x, lower-triangle dots of [x, ly_0..]]; x: (B, D), ly: (B, T, D) or T x (B, D) -> (B, D + P)."""
+    x, keep, addrs, stride, T = _features(x, ly)
+    B, D = x.shape
+    z = np.empty((B, D + num_pairs(T + 1, self_interaction)), np.float32)
+    _over_batch(get_kernel(_spec("interaction_dot_forward", T + 1, D)), B,
+                x, addrs, stride, int(bool(self_interaction)), z)
+    del keep
+    return z
+
+
+def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
+    """Gradients of interaction_dot_forward: dz (B, D + P) -> dx (B, D), dly (B, T, D) float32."""
+    x, keep, addrs, stride, T = _features(x, ly)
+    B, D = x.shape
+    dz = _check_f32("dz", dz, 2)
+    want = (B, D + num_pairs(T + 1, self_interaction))
+    if dz.shape != want:
+        raise ValueError(f"dz must have shape (B, D + P) = {want}, got {dz.shape}")
+    dx = np.empty((B, D), np.float32)
+    dly = np.empty((B, T, D), np.float32)
+    _over_batch(get_kernel(_spec("interaction_dot_backward", T + 1, D)), B,
+                dz, x, addrs, stride, int(bool(self_interaction)), dx, dly)
+    del keep
+    return dx, dly
+
+
+def interaction_cat_forward(x, ly):
+    """z = [x, ly_0, ..., ly_{T-1}] per sample; x: (B, D), ly: (B, T, D) or T x (B, D) -> (B, D * (T + 1))."""
+    x, keep, _, _, T = _features(x, ly)
+    B, D = x.shape
+    z = np.empty((B, T + 1, D), np.float32)
+    z[:, 0] = x
+    if isinstance(ly, (list, tuple)):
+        for t, a in enumerate(keep):
+            z[:, t + 1] = a
+    else:
+        z[:, 1:] = keep[0]
+    return z.reshape(B, (T + 1) * D)
+
+
+def interaction_cat_backward(dz, x, ly):
+    """Gradients of interaction_cat_forward: dz (B, D * (T + 1)) -> dx (B, D), dly (B, T, D)."""
+    x, _, _, _, T = _features(x, ly)
+    B, D = x.shape
+    dz = _check_f32("dz", dz, 2)
+    if dz.shape != (B, D * (T + 1)):
+        raise ValueError(f"dz must have shape (B, D * (T + 1)) = {(B, D * (T + 1))}, got {dz.shape}")
+    dz = dz.reshape(B, T + 1, D)
+    return dz[:, 0].copy(), dz[:, 1:].copy()

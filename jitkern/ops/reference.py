@@ -180,7 +180,7 @@ def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
 def interaction_cat_forward(x, ly):
     """z = [x, ly_0, ..., ly_{T-1}] flattened; x: (B, D), ly: (B, T, D) -> (B, D * (T + 1))."""
     t = _stack(x, ly)
-    return np.ascontiguousarray(t.reshape(t.shape[0], -1), dtype=np.float32)
+    return np.ascontiguousarray(t.reshape(t.shape[0], t.shape[1] * t.shape[2]), dtype=np.float32)
 
 
 def interaction_cat_backward(dz, x, ly):

@@ -1,0 +1,197 @@
+"""Dot and cat interaction kernels against the NumPy references.
+
+Compile budget: hypothesis draws shapes the generic (runtime-shape) kernels take; the DLRM shapes
+that get F/D-specialised kernels are a fixed handful, each compiled once and shared.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jitkern.ops import interaction as K
+from jitkern.ops import reference as R
+
+EPS = np.finfo(np.float32).eps
+
+
+def _inputs(rng, B, T, D, scale=1.0):
+    x = (scale * rng.standard_normal((B, D))).astype(np.float32)
+    ly = (scale * rng.standard_normal((B, T, D))).astype(np.float32)
+    return x, ly
+
+
+def _as_list(ly):
+    return [np.ascontiguousarray(ly[:, t]) for t in range(ly.shape[1])]
+
+
+def _check_forward(x, ly, self_interaction, ly_arg=None):
+    z = K.interaction_dot_forward(x, ly if ly_arg is None else ly_arg, self_interaction=self_interaction)
+    ref = R.interaction_dot_forward(x, ly, self_interaction=self_interaction)
+    # float32 dot of D terms: error <= ~D eps * sum |t_i||t_j|, the same product on |inputs|
+    bound = R.interaction_dot_forward(np.abs(x), np.abs(ly), self_interaction=self_interaction)
+    assert z.shape == ref.shape and z.dtype == np.float32
+    np.testing.assert_array_equal(z[:, :x.shape[1]], x)
+    assert np.all(np.abs(z - ref) <= (x.shape[1] + 2) * EPS * bound + 1e-30)
+    return z
+
+
+def _check_backward(dz, x, ly, self_interaction, ly_arg=None):
+    dx, dly = K.interaction_dot_backward(dz, x, ly if ly_arg is None else ly_arg,
+                                         self_interaction=self_interaction)
+    rdx, rdly = R.interaction_dot_backward(dz, x, ly, self_interaction=self_interaction)
+    bdx, bdly = R.interaction_dot_backward(np.abs(dz), np.abs(x), np.abs(ly), self_interaction=self_interaction)
+    tol = (ly.shape[1] + 4) * EPS
+    assert dx.shape == rdx.shape and dly.shape == rdly.shape
+    assert dx.dtype == dly.dtype == np.float32
+    assert np.all(np.abs(dx - rdx) <= tol * bdx + 1e-30)
+    assert np.all(np.abs(dly - rdly) <= tol * bdly + 1e-30)
+
+
+@given(B=st.integers(1, 300), T=st.integers(1, 40), D=st.integers(1, 200), self_interaction=st.booleans(),
+       as_list=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_dot_matches_reference(B, T, D, self_interaction, as_list, seed):
+    rng = np.random.default_rng(seed)
+    x, ly = _inputs(rng, B, T, D)
+    z = _check_forward(x, ly, self_interaction, _as_list(ly) if as_list else None)
+    dz = rng.standard_normal(z.shape).astype(np.float32)
+    _check_backward(dz, x, ly, self_interaction, _as_list(ly) if as_list else None)
+
+
+@pytest.mark.parametrize("T, D", [(26, 16), (26, 64), (26, 128), (8, 64)])
+def test_dot_specialised_shapes(T, D):
+    """The F/D-literal kernels the DLRM uses: B not a multiple of the chunk, both modes, both inputs."""
+    assert (T + 1, D) in K._SPECIALISED
+    rng = np.random.default_rng(T * 1000 + D)
+    x, ly = _inputs(rng, 67, T, D)
+    for self_interaction in (False, True):
+        z = _check_forward(x, ly, self_interaction)
+        _check_forward(x, ly, self_interaction, _as_list(ly))
+        dz = rng.standard_normal(z.shape).astype(np.float32)
+        _check_backward(dz, x, ly, self_interaction)
+        _check_backward(dz, x, ly, self_interaction, _as_list(ly))
+
+
+def test_dot_pair_order_is_the_reference_dlrm_order():
+    """z[:, D + p] is the dot of vectors (li[p], lj[p]), i ascending then j ascending."""
+    B, T, D = 3, 5, 4
+    x, ly = _inputs(np.random.default_rng(1), B, T, D)
+    t = np.concatenate([x[:, None], ly], axis=1).astype(np.float64)
+    for self_interaction in (False, True):
+        z = K.interaction_dot_forward(x, ly, self_interaction=self_interaction)
+        li, lj = R.interaction_pairs(T + 1, self_interaction)
+        assert z.shape[1] - D == len(li) == K.num_pairs(T + 1, self_interaction)
+        for p, (i, j) in enumerate(zip(li, lj)):
+            assert (j <= i) if self_interaction else (j < i)
+            np.testing.assert_allclose(z[:, D + p], (t[:, i] * t[:, j]).sum(1), rtol=1e-5)
+
+
+def test_dot_strided_list_is_read_in_place_and_odd_layouts_work():
+    rng = np.random.default_rng(2)
+    B, T, D = 45, 7, 24
+    x, ly = _inputs(rng, B, T, D)
+    wide = np.ascontiguousarray(ly.reshape(B, T * D))              # column blocks of one array
+    blocks = [wide[:, t * D:(t + 1) * D] for t in range(T)]
+    _check_forward(x, ly, False, blocks)
+    _check_backward(rng.standard_normal((B, D + K.num_pairs(T + 1))).astype(np.float32), x, ly, False, blocks)
+    mixed = [ly[:, t] if t % 2 else ly[:, t].copy() for t in range(T)]   # different strides -> copied
+    _check_forward(x, ly, True, mixed)
+    big = np.zeros((B, 2 * T, D), np.float32)
+    big[:, ::2] = ly
+    _check_forward(np.asfortranarray(x), ly, False, big[:, ::2])     # non-contiguous x and ly
+
+
+def test_dot_edge_shapes_and_determinism():
+    rng = np.random.default_rng(3)
+    for B, T, D in [(0, 3, 5), (4, 0, 3), (1, 1, 1), (2, 40, 200)]:
+        x, ly = _inputs(rng, B, T, D)
+        for self_interaction in (False, True):
+            z = _check_forward(x, ly, self_interaction)
+            dz = rng.standard_normal(z.shape).astype(np.float32)
+            _check_backward(dz, x, ly, self_interaction)
+    x, ly = _inputs(rng, 300, 26, 64)
+    z1 = K.interaction_dot_forward(x, ly)
+    dz = rng.standard_normal(z1.shape).astype(np.float32)
+    np.testing.assert_array_equal(z1, K.interaction_dot_forward(x, _as_list(ly)))
+    a, b = K.interaction_dot_backward(dz, x, ly), K.interaction_dot_backward(dz, x, _as_list(ly))
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_dot_large_and_special_values():
+    """Big magnitudes stay accurate relative to the reference; NaN and inf propagate."""
+    rng = np.random.default_rng(4)
+    x, ly = _inputs(rng, 9, 6, 33, scale=1e15)
+    _check_forward(x, ly, True)
+    x[2, 3] = np.nan
+    ly[5, 1, 0] = np.inf
+    z = K.interaction_dot_forward(x, ly)
+    ref = R.interaction_dot_forward(x, ly)
+    np.testing.assert_array_equal(np.isnan(z), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(z), np.isinf(ref))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_dot_lower_isa_paths(monkeypatch, isa):
+    from jitkern.codegen import host_target
+    if isa == "avx2" and host_target().detected_isa not in ("avx2", "avx512"):
+        pytest.skip("host has no AVX2")
+    monkeypatch.setenv("JITKERN_ISA", isa)
+    rng = np.random.default_rng(5)
+    for B, T, D, self_interaction in [(37, 26, 16, False), (5, 11, 13, True)]:
+        x, ly = _inputs(rng, B, T, D)
+        z = _check_forward(x, ly, self_interaction, _as_list(ly) if D == 13 else None)
+        _check_backward(rng.standard_normal(z.shape).astype(np.float32), x, ly, self_interaction)
+
+
+def test_dot_argument_errors():
+    x = np.zeros((4, 8), np.float32)
+    ly = np.zeros((4, 3, 8), np.float32)
+    dz = np.zeros((4, 8 + 6), np.float32)
+    with pytest.raises(TypeError, match="x must be float32"):
+        K.interaction_dot_forward(x.astype(np.float64), ly)
+    with pytest.raises(TypeError, match="ly must be float32"):
+        K.interaction_dot_forward(x, ly.astype(np.float16))
+    with pytest.raises(TypeError, match=r"ly\[1\] must be float32"):
+        K.interaction_dot_forward(x, [ly[:, 0], ly[:, 1].astype(np.float64)])
+    with pytest.raises(TypeError, match="x must be a numpy array"):
+        K.interaction_dot_forward(x.tolist(), ly)
+    with pytest.raises(ValueError, match="ly must have shape"):
+        K.interaction_dot_forward(x, np.zeros((5, 3, 8), np.float32))   # B mismatch
+    with pytest.raises(ValueError, match="ly must have shape"):
+        K.interaction_dot_forward(x, np.zeros((4, 3, 7), np.float32))   # D mismatch
+    with pytest.raises(ValueError, match=r"ly\[2\] must have shape"):
+        K.interaction_dot_forward(x, [ly[:, 0], ly[:, 1], np.zeros((3, 8), np.float32)])
+    with pytest.raises(ValueError, match="ly must be 3-D"):
+        K.interaction_dot_forward(x, np.zeros((4, 8), np.float32))
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        K.interaction_dot_forward(np.zeros(8, np.float32), ly)
+    with pytest.raises(ValueError, match="dz must have shape"):
+        K.interaction_dot_backward(dz[:, :-1], x, ly)
+    with pytest.raises(ValueError, match="dz must have shape"):
+        K.interaction_dot_backward(dz, x, ly, self_interaction=True)   # needs P = 10, not 6
+    with pytest.raises(TypeError, match="dz must be float32"):
+        K.interaction_dot_backward(dz.astype(np.float64), x, ly)
+
+
+@given(B=st.integers(0, 50), T=st.integers(0, 9), D=st.integers(1, 40), as_list=st.booleans())
+@settings(max_examples=20)
+def test_cat_matches_reference(B, T, D, as_list):
+    rng = np.random.default_rng(B * 100 + T * 10 + D)
+    x, ly = _inputs(rng, B, T, D)
+    arg = _as_list(ly) if as_list else ly
+    z = K.interaction_cat_forward(x, arg)
+    np.testing.assert_array_equal(z, R.interaction_cat_forward(x, ly))
+    dz = rng.standard_normal(z.shape).astype(np.float32)
+    dx, dly = K.interaction_cat_backward(dz, x, arg)
+    rdx, rdly = R.interaction_cat_backward(dz, x, ly)
+    np.testing.assert_array_equal(dx, rdx)
+    np.testing.assert_array_equal(dly, rdly)
+
+
+def test_cat_argument_errors():
+    x = np.zeros((4, 8), np.float32)
+    ly = np.zeros((4, 3, 8), np.float32)
+    with pytest.raises(ValueError, match="dz must have shape"):
+        K.interaction_cat_backward(np.zeros((4, 31), np.float32), x, ly)
+    with pytest.raises(TypeError, match="x must be float32"):
+        K.interaction_cat_forward(x.astype(np.int32), ly)
