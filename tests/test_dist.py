@@ -125,3 +125,30 @@ def test_failing_rank_ends_every_rank_promptly(mode):
         # mpiexec reports the killed job; our start-up line maps every pid to its rank
         assert re.search(r"ranks: 0=pid \d+ on \S+, 1=pid \d+", r.stdout)
         assert "BAD TERMINATION" in r.stdout + r.stderr
+
+
+@needs_mpi
+def test_sharded_checkpoint_loads_with_other_rank_counts_and_survives_a_failed_save(tmp_path):
+    ck = tmp_path / "ck"
+    r, _ = _mpiexec(2, "checkpoint.py", "save", ck)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r, _ = _mpiexec(3, "checkpoint.py", "load", ck)
+    assert r.returncode == 0 and "loaded step 2 max error 0.0" in r.stdout, r.stderr[-2000:]
+    one = subprocess.run([sys.executable, str(SCRIPTS / "checkpoint.py"), "load", str(ck)], capture_output=True,
+                         text=True, timeout=120)
+    assert "loaded step 2 max error 0.0" in one.stdout, one.stderr[-2000:]
+    # a save that dies half-way leaves the previous complete checkpoint in force
+    r, _ = _mpiexec(2, "checkpoint.py", "save", ck, "fail")
+    assert r.returncode != 0 and "injected failure during save" in r.stderr
+    r, _ = _mpiexec(3, "checkpoint.py", "load", ck)
+    assert r.returncode == 0 and "loaded step 2 max error 0.0" in r.stdout, r.stderr[-2000:]
+
+
+def test_sharded_checkpoint_without_manifest_is_an_error(tmp_path):
+    from jitkern.dlrm.dist_checkpoint import ShardedCheckpointError, read_manifest
+    (tmp_path / "gen-1").mkdir()
+    with pytest.raises(ShardedCheckpointError, match="no manifest.json"):
+        read_manifest(str(tmp_path))
+    (tmp_path / "manifest.json").write_text('{"format": "other"}')
+    with pytest.raises(ShardedCheckpointError, match="not a"):
+        read_manifest(str(tmp_path))

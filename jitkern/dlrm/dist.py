@@ -108,33 +108,49 @@ def _exit_together(comm) -> None:
 # --------------------------------------------------------------------------- exchange
 
 
+def measure_link(comm, nbytes: int = 4 << 20, reps: int = 5):
+    """(GB/s, seconds per message) of a ring exchange r -> r+1, the slowest rank's view."""
+    from mpi4py import MPI
+    r, p = comm.Get_rank(), comm.Get_size()
+    res = []
+    for n in (nbytes // 4, 1):
+        data, out = np.ones(n, np.float32), np.empty(n, np.float32)
+        times = []
+        for _ in range(reps):
+            comm.Barrier()
+            t0 = MPI.Wtime()
+            comm.Sendrecv(data, dest=(r + 1) % p, recvbuf=out, source=(r - 1) % p)
+            times.append(MPI.Wtime() - t0)
+        res.append(comm.allreduce(float(np.median(times)), op=MPI.MAX))
+    big, lat = res
+    return nbytes / max(big - lat, 1e-9) / 1e9, lat
+
+
 @dataclass
 class CommStat:
-    """One kind of exchange: bytes sent, time in flight (post -> seen done), time ranks waited."""
+    """One kind of exchange: bytes sent, its cost on the measured link, time spent in MPI calls."""
     count: int = 0
     nbytes: int = 0
-    inflight: float = 0.0   # seconds from posting to completion (as observed by Test/Wait)
-    exposed: float = 0.0    # seconds the rank spent inside MPI calls for it (not hidden)
-
-    @property
-    def hidden(self) -> float:
-        return max(self.inflight - self.exposed, 0.0)
+    wire: float = 0.0       # seconds the transfers take on the link (latency + bytes / bandwidth)
+    exposed: float = 0.0    # seconds the rank spent inside MPI calls for it (post, Test, Wait)
+    hidden: float = 0.0     # sum over ops of max(wire - exposed, 0): transfer time compute covered
 
 
 class _Op:
     """A posted non-blocking exchange; `stages` run one after another (e.g. reduce-scatter, allgather)."""
-    __slots__ = ("name", "req", "stages", "t_post", "done", "finish")
+    __slots__ = ("name", "req", "stages", "done", "finish", "wire", "exposed")
 
-    def __init__(self, name, stages, finish=None):
-        self.name, self.stages, self.finish = name, list(stages), finish
-        self.req, self.done, self.t_post = None, False, 0.0
+    def __init__(self, name, stages, wire, finish=None):
+        self.name, self.stages, self.finish, self.wire = name, list(stages), finish, wire
+        self.req, self.done, self.exposed = None, False, 0.0
 
 
 class Exchange:
     """Non-blocking alltoallv / allreduce on one communicator, with progress calls and timing.
 
     MPICH progresses non-blocking operations only inside MPI calls, so the model calls
-    progress() between layers; what completes there is time hidden behind compute.
+    progress() between layers. Hidden time per op: its link time (from the link measured at
+    start) minus the time this rank spent in MPI calls for it.
     """
 
     def __init__(self, comm):
@@ -145,16 +161,22 @@ class Exchange:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.stats: dict[str, CommStat] = {}
         self._pending: list[_Op] = []
+        # the link, to tell how much transfer time the overlap hid (MPI cannot say)
+        self.bandwidth, self.latency = measure_link(comm) if self.size > 1 else (np.inf, 0.0)
+
+    def _wire(self, messages: int, nbytes: int) -> float:
+        return messages * self.latency + nbytes / (self.bandwidth * 1e9)
 
     # ---- posting
     def _start(self, op: _Op, nbytes: int) -> _Op:
         st = self.stats.setdefault(op.name, CommStat())
         st.count += 1
         st.nbytes += nbytes
+        st.wire += op.wire
         t0 = time.perf_counter()
-        op.t_post = t0
         op.req = op.stages.pop(0)()     # first stages: program order, the same on every rank
-        st.exposed += time.perf_counter() - t0
+        op.exposed = time.perf_counter() - t0
+        st.exposed += op.exposed
         self._pending.append(op)
         return op
 
@@ -166,7 +188,8 @@ class Exchange:
         sc, rc = np.asarray(send_counts, np.int64), np.asarray(recv_counts, np.int64)
         post = lambda: self.comm.Ialltoallv([send, (sc, sd), F], [recv, (rc, rd), F])
         nbytes = int(sc.sum() - sc[self.rank]) * 4
-        return self._start(_Op(name, [post]), nbytes)
+        wire = self._wire(self.size - 1, max(nbytes, int(rc.sum() - rc[self.rank]) * 4))
+        return self._start(_Op(name, [post], wire), nbytes)
 
     def iallreduce(self, name, arrays) -> _Op:
         """Post a sum over ranks of float32 (or float64) arrays, in place, identical on every rank.
@@ -193,7 +216,8 @@ class Exchange:
                     a.reshape(-1)[:] = flat[o:o + a.size]
                     o += a.size
 
-        return self._start(_Op(name, stages, finish), 2 * flat.nbytes * (self.size - 1) // self.size)
+        nbytes = 2 * flat.nbytes * (self.size - 1) // self.size
+        return self._start(_Op(name, stages, self._wire(2 * (self.size - 1), nbytes), finish), nbytes)
 
     # ---- completion
     # Collectives must be posted in the same order on every rank. First stages are posted in
@@ -217,9 +241,12 @@ class Exchange:
                 op.done = True
                 if op.finish:
                     op.finish()
-                st.inflight += time.perf_counter() - op.t_post
                 break
-        st.exposed += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        st.exposed += spent
+        op.exposed += spent
+        if op.done:
+            st.hidden += max(op.wire - op.exposed, 0.0)
         return op.done
 
     def _run(self, upto: _Op | None) -> None:
@@ -251,12 +278,9 @@ class Exchange:
         self.stats.clear()
 
     def profile_rows(self) -> list:
-        """(name, calls, MB sent, ms in flight, ms exposed, % hidden) per exchange kind."""
-        rows = []
-        for name, st in self.stats.items():
-            hid = 100.0 * st.hidden / st.inflight if st.inflight > 0 else 0.0
-            rows.append((name, st.count, st.nbytes / 1e6, st.inflight * 1e3, st.exposed * 1e3, hid))
-        return rows
+        """(name, calls, MB sent, ms on the link, ms exposed, ms hidden) per exchange kind."""
+        return [(name, st.count, st.nbytes / 1e6, st.wire * 1e3, st.exposed * 1e3, st.hidden * 1e3)
+                for name, st in self.stats.items()]
 
 
 # --------------------------------------------------------------------------- the model
@@ -508,16 +532,16 @@ class DistributedDLRM(_model.DLRM):
                 self.exchange.progress()
 
     def _account_comm(self, before):
+        """Profile rows: time in MPI calls (exposed) and link time the overlap hid behind compute."""
         if not isinstance(self.timer, _model.StageTimer):
             return
-        inflight = sum(s.inflight for s in self.exchange.stats.values())
-        exposed = sum(s.exposed for s in self.exchange.stats.values())
+        hidden, exposed = self._comm_totals()
         self.timer.add("communication", exposed - before[1])
-        self.timer.add("comm_hidden", max(inflight - before[0] - (exposed - before[1]), 0.0))
+        self.timer.add("comm_hidden", hidden - before[0])
 
     def _comm_totals(self):
-        return (sum(s.inflight for s in self.exchange.stats.values()),
-                sum(s.exposed for s in self.exchange.stats.values()))
+        stats = self.exchange.stats.values()
+        return sum(s.hidden for s in stats), sum(s.exposed for s in stats)
 
     # ------------------------------------------------------------------ public API (collective)
 

@@ -1,0 +1,130 @@
+"""python -m jitkern bench dist: weak and strong scaling of the hybrid-parallel DLRM, one thread per rank.
+
+Launches `mpiexec -n P` for each P (the P=1 run is the same script without MPI), times
+train_step on the same random batches, and prints measured step time, samples/s, weak-scaling
+efficiency / strong-scaling speed-up, communication exposed and hidden, next to the scaling
+model's prediction (jitkern.dlrm.scale) for the link speed measured between the ranks here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from .common import print_table, set_threads
+
+WORKER = [sys.executable, "-m", "jitkern.bench.dist", "--worker"]
+
+
+def worker(args) -> int:
+    from ..dlrm.dist import comm_from_env
+    from ..dlrm.model import DLRM, StageTimer
+    from ..dlrm.scale import configs, random_batch
+
+    set_threads(1)
+    comm = comm_from_env()
+    rank = 0 if comm is None else comm.Get_rank()
+    cfg = configs()[args.config]
+    m = DLRM(cfg["sizes"], cfg["dim"], cfg["bottom"], cfg["top"], seed=0, comm=comm)
+    batches = [random_batch(cfg, args.batch, s) for s in range(3)]
+    losses = [m.train_step(*batches[i % 3], 0.01) for i in range(args.warmup)]
+    m.timer = timer = StageTimer()
+    times = []
+    for i in range(args.steps):
+        if comm is not None:
+            comm.Barrier()
+        t0 = time.perf_counter()
+        losses.append(m.train_step(*batches[i % 3], 0.01, check=False))
+        times.append(time.perf_counter() - t0)
+    if comm is not None:
+        times = list(np.max(comm.allgather(times), axis=0))     # a step ends when its last rank does
+    link = (m.exchange.bandwidth, m.exchange.latency * 1e6) if comm is not None else (0.0, 0.0)
+    if rank == 0:
+        prof = {k: v / args.steps for k, v in timer.seconds.items()}
+        print(json.dumps({"ranks": 1 if comm is None else comm.Get_size(), "batch": args.batch,
+                          "step": float(np.median(times)), "losses": losses, "profile": prof,
+                          "link_gbs": link[0], "latency_us": link[1],
+                          "comm": m.exchange.profile_rows() if comm is not None else []}), flush=True)
+    return 0
+
+
+def _launch(config, ranks, batch, steps, warmup, timeout):
+    cmd = WORKER + ["--config", config, "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
+    if ranks > 1:
+        mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+        if mpiexec is None:
+            raise RuntimeError("mpiexec not found: pip install 'jitkern[mpi]'")
+        cmd = [mpiexec, "-n", str(ranks)] + cmd
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jitkern bench dist", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", action="append", help="kaggle, mlperf, ... (default: kaggle and mlperf)")
+    ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts (4 oversubscribes this machine: "
+                                                     "correctness only)")
+    ap.add_argument("--batch", type=int, default=2048, help="per-rank (weak) and global (strong) batch")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        args.config = args.config[0]
+        return worker(args)
+    from ..dlrm.scale import HEADERS, measure_and_predict, configs  # noqa: F401
+
+    names = args.config or ["kaggle", "mlperf"]
+    unknown = sorted(set(names) - set(configs()))
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {sorted(configs())}")
+    ranks = sorted({int(x) for x in args.ranks.split(",")} | {1})
+    print(f"bench dist: one thread per rank, {os.cpu_count()} CPUs here; per-rank/global batch {args.batch}")
+    rows = []
+    for name in names:
+        runs = {}
+        for p in ranks:
+            for mode in ("weak", "strong"):
+                batch = args.batch * p if mode == "weak" else args.batch
+                if (p, batch) not in runs:
+                    steps = args.steps if p <= (os.cpu_count() or 1) else 2
+                    runs[(p, batch)] = _launch(name, p, batch, steps, min(args.warmup, steps), args.timeout)
+        link = next((r for (p, _), r in runs.items() if p > 1), {"link_gbs": 10.0, "latency_us": 1.0})
+        bw, lat = max(link["link_gbs"], 0.1), link["latency_us"]
+        set_threads(1)
+        for mode in ("weak", "strong"):
+            preds = measure_and_predict(configs()[name], ranks, mode, bandwidth_gbs=bw, latency_us=lat,
+                                        per_rank_batch=args.batch, log=lambda *a: None)
+            base = runs[(1, args.batch)]
+            for p, pred in zip(ranks, preds):
+                run = runs[(p, args.batch * p if mode == "weak" else args.batch)]
+                step = run["step"]
+                ratio = base["step"] / step
+                prof = run["profile"]
+                over = " (oversubscribed: correctness only)" if p > (os.cpu_count() or 1) else ""
+                loss_ok = np.isclose(run["losses"][0], base["losses"][0], rtol=1e-5) if mode == "strong" else ""
+                rows.append([name, mode, p, run["batch"], f"{step * 1e3:.1f}", f"{run['batch'] / step:,.0f}",
+                             f"{ratio:.2f}{'' if mode == 'weak' else 'x'}",
+                             f"{prof.get('communication', 0) * 1e3:.1f}", f"{prof.get('comm_hidden', 0) * 1e3:.1f}",
+                             f"{pred.step * 1e3:.1f}", f"{(pred.step / step - 1) * 100:+.0f}%",
+                             str(loss_ok) + over])
+        print(f"  {name}: link between ranks {bw:.1f} GB/s, {lat:.1f} us (used by the model)")
+    print_table(["config", "mode", "P", "global B", "ms/step", "samples/s", "eff|speedup", "comm exposed ms",
+                 "comm hidden ms", "model ms", "model err", "loss = P1"], rows)
+    print("eff = step(P=1) / step(P) at a fixed per-rank batch; speedup = step(P=1) / step(P) at a fixed global "
+          "batch; comm columns are per step on rank 0.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
