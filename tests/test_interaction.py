@@ -117,6 +117,23 @@ def test_dot_edge_shapes_and_determinism():
     np.testing.assert_array_equal(a[1], b[1])
 
 
+def test_dot_bit_identical_for_any_thread_count():
+    import numba
+    rng = np.random.default_rng(6)
+    x, ly = _inputs(rng, 203, 26, 16)
+    dz = rng.standard_normal((203, 16 + K.num_pairs(27))).astype(np.float32)
+    before = numba.get_num_threads()
+    try:
+        outs = []
+        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(n)
+            outs.append((K.interaction_dot_forward(x, ly), *K.interaction_dot_backward(dz, x, ly)))
+    finally:
+        numba.set_num_threads(before)
+    for a, b in zip(outs[0], outs[-1]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_dot_large_and_special_values():
     """Big magnitudes stay accurate relative to the reference; NaN and inf propagate."""
     rng = np.random.default_rng(4)
