@@ -217,10 +217,17 @@ def run(args, log=print) -> int:
     if args.load_model:
         read_checkpoint_header(args.load_model)      # a foreign or truncated file fails before the model is built
 
+    from .dist import comm_from_env                  # under `mpiexec -n P`: hybrid parallel, rank 0 logs
+    comm = comm_from_env()
+    if comm is not None and comm.Get_rank() != 0:
+        log = lambda *a, **k: None                   # noqa: E731
+        sys.stdout = open(os.devnull, "w")           # tables printed directly too
     t_start = time.perf_counter()
     model = DLRM(sizes, args.arch_sparse_feature_size, bot, top, interaction=args.arch_interaction_op,
                  self_interaction=args.arch_interaction_itself, embedding_precision=args.embedding_precision,
-                 seed=args.numpy_rand_seed)
+                 seed=args.numpy_rand_seed, comm=comm)
+    if comm is not None:
+        log(model.describe())
     log(f"{model}: {model.parameter_bytes() / 2**20:.1f} MiB of parameters, {args.data_generation} data, "
         f"{len(train_data)} batches of {args.mini_batch_size} per epoch")
     timer = StageTimer() if args.profile else None

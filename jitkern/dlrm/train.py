@@ -98,6 +98,9 @@ def model_arch(model: DLRM) -> dict:
 
 def save_checkpoint(path: str, model: DLRM, meta: dict) -> None:
     """Write model parameters and `meta` (JSON-able) atomically: temp file, fsync, rename."""
+    if getattr(model, "comm", None) is not None:     # hybrid parallel: a directory, each rank its tables
+        from .dist_checkpoint import save_checkpoint as save_sharded
+        return save_sharded(path, model, meta, model_arch(model))
     sd = model.state_dict()
     entries, offset = [], 0
     for name, a in sd.items():
@@ -139,6 +142,9 @@ def save_checkpoint(path: str, model: DLRM, meta: dict) -> None:
 
 def read_checkpoint_header(path: str) -> dict:
     """The checkpoint's header (arch, meta, array table); CheckpointError if foreign or truncated."""
+    if os.path.isdir(path):                          # a sharded checkpoint (saved by several ranks)
+        from .dist_checkpoint import read_manifest
+        return read_manifest(path)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -165,6 +171,9 @@ def read_checkpoint_header(path: str) -> dict:
 
 def load_checkpoint(path: str, model: DLRM) -> dict:
     """Verify the checkpoint fully (arch, shapes, checksums), then load it into `model`; returns meta."""
+    if os.path.isdir(path):                          # sharded: any rank count loads its own arrays
+        from .dist_checkpoint import load_checkpoint as load_sharded
+        return load_sharded(path, model, model_arch(model))
     header = read_checkpoint_header(path)
     arch = model_arch(model)
     if header["arch"] != arch:
