@@ -20,7 +20,6 @@ import functools
 import math
 import operator
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange
@@ -34,7 +33,13 @@ from .optim import SplitBF16Table, as_float32, as_uint32, widen
 SPECIALISED_D = (16, 32, 64, 128)  # widths that get a compile-time-D kernel
 PREFETCH = 16                      # rows (forward) / row groups (updates) prefetched ahead
 _RADIX_BITS = 12                   # digit width of the radix sort (4096-entry histogram)
+_CHUNKS = 64                       # work units per call: bag chunks (forward), row-group parts (updates)
 _MODES = ("sum", "mean")
+_I32, _I64, _F32DT = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
+_NO_PSW = np.empty(0, np.float32)  # stand-ins for absent optional arrays (kernels never read them)
+_NO_STATE = np.empty(0, np.float32)
+_NO_LO = np.empty((0, 0), np.uint16)
+_NO_ROWS = np.empty((0, 0), np.float32)
 _UPDATES = ("grad", "sgd", "sgd_bf16", "adagrad")
 
 # ----------------------------------------------------------------------------- row-vector intrinsics
@@ -43,59 +48,84 @@ _UPDATES = ("grad", "sgd", "sgd_bf16", "adagrad")
 # array would be kept in memory: LLVM cannot prove it does not alias the table).
 
 
+_F32 = ir.FloatType()
+
+
 @intrinsic
 def stack_f32(typingctx, n):
-    """A float32 scratch array of compile-time length n on the stack (promoted to registers)."""
+    """A (1, n) float32 scratch array with compile-time n, on the stack (promoted to registers)."""
     if not isinstance(n, types.IntegerLiteral):
         return None
     size = max(n.literal_value, 1)
-    arrty = types.Array(types.float32, 1, "C")
+    arrty = types.Array(types.float32, 2, "C")
 
     def codegen(context, builder, sig, args):
-        ptr = cgutils.alloca_once(builder, ir.FloatType(), size=size)
+        ptr = cgutils.alloca_once(builder, _F32, size=size)
         ary = context.make_array(arrty)(context, builder)
         intp = context.get_value_type(types.intp)
-        context.populate_array(ary, data=ptr, shape=[ir.Constant(intp, size)], strides=[ir.Constant(intp, 4)],
+        context.populate_array(ary, data=ptr, shape=[ir.Constant(intp, 1), ir.Constant(intp, size)],
+                               strides=[ir.Constant(intp, 4 * size), ir.Constant(intp, 4)],
                                itemsize=ir.Constant(intp, 4), meminfo=None)
         return ary._getvalue()
     return arrty(n), codegen
 
 
-@intrinsic
-def row_axpy(typingctx, acc, table, r, scale, n):
-    """acc[:n] += scale * table[r, :n] as one <n x float> operation (table float32, or uint16 bf16 bits)."""
-    if not (isinstance(n, types.IntegerLiteral) and isinstance(acc, types.Array) and isinstance(table, types.Array)
-            and table.ndim == 2 and table.dtype in (types.float32, types.uint16) and acc.dtype == types.float32):
-        return None
-    size = n.literal_value
-    bf16 = table.dtype == types.uint16
+def _is_table(a, dtypes=(types.float32, types.uint16)):
+    return isinstance(a, types.Array) and a.ndim == 2 and a.dtype in dtypes
 
-    def codegen(context, builder, sig, args):
-        if size == 0:  # the generic kernel's never-taken branch
+
+def _row_ptr(context, builder, aryty, ary, rowty, row):
+    a = context.make_array(aryty)(context, builder, ary)
+    stride0 = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+    return cgutils.pointer_add(builder, a.data, builder.mul(context.cast(builder, row, rowty, types.intp), stride0))
+
+
+def _load_row(builder, ptr, dtype, n):
+    """<n x float> from a float32 row, or from a uint16 row of bf16 bits (shifted into the high half)."""
+    if dtype == types.uint16:
+        raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), n).as_pointer()), align=2)
+        i32 = ir.VectorType(ir.IntType(32), n)
+        return builder.bitcast(builder.shl(builder.zext(raw, i32), ir.Constant(i32, [16] * n)),
+                               ir.VectorType(_F32, n))
+    return builder.load(builder.bitcast(ptr, ir.VectorType(_F32, n).as_pointer()), align=4)
+
+
+def _splat(context, builder, value, valty, n):
+    vec = ir.VectorType(_F32, n)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), context.cast(builder, value, valty, types.float32),
+                                 ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+
+
+def _row_op(accumulate):
+    """dst[i, :n] (+)= scale * src[j, :n] as whole <n x float> operations (plain IEEE mul and add)."""
+    def impl(typingctx, dst, i, src, j, scale, n):
+        if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,)) and _is_table(src)
+                and isinstance(scale, (types.Float, types.Integer))):
+            return None
+        size = n.literal_value
+
+        def codegen(context, builder, sig, args):
+            if size == 0:  # the generic kernel's never-taken branch
+                return context.get_dummy_value()
+            dsty, ity, srcty, jty, sty, _ = sig.args
+            dptr = builder.bitcast(_row_ptr(context, builder, dsty, args[0], ity, args[1]),
+                                   ir.VectorType(_F32, size).as_pointer())
+            val = builder.fmul(_load_row(builder, _row_ptr(context, builder, srcty, args[2], jty, args[3]),
+                                         srcty.dtype, size), _splat(context, builder, args[4], sty, size))
+            if accumulate:
+                val = builder.fadd(builder.load(dptr, align=4), val)
+            builder.store(val, dptr, align=4)
             return context.get_dummy_value()
-        accv, tabv, rv, sv, _ = args
-        a = context.make_array(sig.args[0])(context, builder, accv)
-        t = context.make_array(sig.args[1])(context, builder, tabv)
-        stride0 = cgutils.unpack_tuple(builder, t.strides, 2)[0]
-        row = context.cast(builder, rv, sig.args[2], types.intp)
-        fvec = ir.VectorType(ir.FloatType(), size)
-        src = cgutils.pointer_add(builder, t.data, builder.mul(row, stride0))
-        if bf16:
-            ivec = ir.VectorType(ir.IntType(16), size)
-            raw = builder.load(builder.bitcast(src, ivec.as_pointer()), align=2)
-            wide = builder.shl(builder.zext(raw, ir.VectorType(ir.IntType(32), size)),
-                               ir.Constant(ir.VectorType(ir.IntType(32), size), [16] * size))
-            w = builder.bitcast(wide, fvec)
-        else:
-            w = builder.load(builder.bitcast(src, fvec.as_pointer()), align=4)
-        s = context.cast(builder, sv, sig.args[3], types.float32)
-        splat = builder.insert_element(ir.Constant(fvec, ir.Undefined), s, ir.Constant(ir.IntType(32), 0))
-        splat = builder.shuffle_vector(splat, ir.Constant(fvec, ir.Undefined),
-                                       ir.Constant(ir.VectorType(ir.IntType(32), size), [0] * size))
-        dst = builder.bitcast(a.data, fvec.as_pointer())
-        builder.store(builder.fadd(builder.load(dst, align=4), builder.fmul(w, splat)), dst, align=4)
-        return context.get_dummy_value()
-    return types.none(acc, table, r, scale, n), codegen
+        return types.none(dst, i, src, j, scale, n), codegen
+    return impl
+
+
+row_axpy = intrinsic(_row_op(accumulate=True))
+row_axpy.__doc__ = "dst[i, :n] += scale * src[j, :n] (src float32 or bf16 bits), n a compile-time constant."
+row_set = intrinsic(_row_op(accumulate=False))
+row_set.__doc__ = "dst[i, :n] = scale * src[j, :n] (src float32 or bf16 bits), n a compile-time constant."
 
 
 # ----------------------------------------------------------------------------- validation
@@ -103,13 +133,20 @@ def row_axpy(typingctx, acc, table, r, scale, n):
 
 @jit()
 def _check_bags(indices, offsets, nbags, num_rows, last):
-    """(code, position, value) of the first problem, code 0 if none; reads each input once."""
+    """(code, position, value) of the first problem, code 0 if none.
+
+    Branch-free reductions first (they vectorise); positions are searched only on failure.
+    """
     nnz = indices.shape[0]
     if nbags > 0 and offsets[0] != 0:
         return 1, 0, offsets[0]
+    decreasing = False
     for b in range(1, offsets.shape[0]):
-        if offsets[b] < offsets[b - 1]:
-            return 2, b, offsets[b]
+        decreasing |= offsets[b] < offsets[b - 1]
+    if decreasing:
+        for b in range(1, offsets.shape[0]):
+            if offsets[b] < offsets[b - 1]:
+                return 2, b, offsets[b]
     n_off = offsets.shape[0]
     if n_off > 0 and offsets[n_off - 1] > nnz:
         return 3, n_off - 1, offsets[n_off - 1]
@@ -117,11 +154,13 @@ def _check_bags(indices, offsets, nbags, num_rows, last):
         return 4, n_off - 1, offsets[n_off - 1]
     if nbags == 0 and nnz > 0:
         return 5, 0, nnz
-    lo, hi = np.int64(0), np.int64(num_rows - 1)
-    for j in range(nnz):
-        r = np.int64(indices[j])
-        if r < lo or r > hi:
-            return 6, j, r
+    outside = False
+    for j in range(nnz):  # unsigned compare: negative indices wrap to huge values
+        outside |= np.uint64(np.int64(indices[j])) >= np.uint64(num_rows)
+    if outside:
+        for j in range(nnz):
+            if indices[j] < 0 or indices[j] >= num_rows:
+                return 6, j, np.int64(indices[j])
     return 0, 0, 0
 
 
@@ -142,7 +181,7 @@ def _raise_bag_error(code, pos, val, table, num_rows, nnz):
 def _as_index_array(name, a):
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a numpy array of int32 or int64, got {type(a).__name__}")
-    if a.dtype != np.int64 and a.dtype != np.int32:
+    if a.dtype != _I64 and a.dtype != _I32:
         raise TypeError(f"{name} must have dtype int32 or int64, got {a.dtype}")
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
@@ -150,7 +189,7 @@ def _as_index_array(name, a):
 
 
 def _as_float_array(name, a, shape):
-    if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+    if not isinstance(a, np.ndarray) or a.dtype != _F32DT:
         raise TypeError(f"{name} must be a float32 numpy array, got {getattr(a, 'dtype', type(a).__name__)}")
     if a.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
@@ -166,7 +205,7 @@ def _check_table(weight, name="weight", *, writeable=False, bf16_ok=True):
         if writeable and not (weight.hi.flags.writeable and weight.lo.flags.writeable):
             raise ValueError(f"{name} halves must be writeable (updated in place)")
         return weight.hi, True
-    if not isinstance(weight, np.ndarray) or weight.dtype != np.float32:
+    if not isinstance(weight, np.ndarray) or weight.dtype != _F32DT:
         raise TypeError(f"{name} must be a float32 ndarray or SplitBF16Table, "
                         f"got {getattr(weight, 'dtype', type(weight).__name__)}")
     if weight.ndim != 2:
@@ -184,7 +223,7 @@ def _check_common(indices, offsets, num_rows, mode, per_sample_weights, include_
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
     indices = _as_index_array("indices", indices)
     offsets = _as_index_array("offsets", offsets)
-    if offsets.dtype != np.int64:
+    if offsets.dtype != _I64:
         offsets = offsets.astype(np.int64)
     last = bool(include_last_offset)
     if last and offsets.shape[0] == 0:
@@ -192,7 +231,7 @@ def _check_common(indices, offsets, num_rows, mode, per_sample_weights, include_
     nbags = offsets.shape[0] - 1 if last else offsets.shape[0]
     nnz = indices.shape[0]
     if per_sample_weights is None:
-        psw = np.empty(0, np.float32)
+        psw = _NO_PSW
     else:
         psw = _as_float_array("per_sample_weights", per_sample_weights, (nnz,))
     code, pos, val = _check_bags(indices, offsets, nbags, num_rows, last)
@@ -212,10 +251,15 @@ def _finite(name, x):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(op, **params):
+def _forward_kernel(dclass, bf16):
     """get_kernel, memoised here too: its per-call config read costs ~20 us, and the DLRM calls
     these ops once per table per step (JITKERN_DEBUG logs the first choice of each spec only)."""
-    return get_kernel(KernelSpec.make(op, **params))
+    return get_kernel(KernelSpec.make("embedding_bag_forward", D=dclass, bf16=bf16, pf=PREFETCH))
+
+
+@functools.lru_cache(maxsize=None)
+def _update_kernel(dclass, kind):
+    return get_kernel(KernelSpec.make("embedding_bag_update", D=dclass, pf=PREFETCH, kind=kind))
 
 
 def _d_class(d: int) -> int:
@@ -231,9 +275,39 @@ def _bag_end(offsets, b, nbags, nnz, last):
     return offsets[b + 1] if (last or b + 1 < nbags) else nnz
 
 
+@jit(inline="always")
+def _madd_row(dst, i, src, j, sc, D, DC, first):
+    """dst[i] = sc * src[j] if first else dst[i] + sc * src[j]; one vector op when DC (= D) is set."""
+    if DC:
+        if first:
+            row_set(dst, i, src, j, sc, DC)
+        else:
+            row_axpy(dst, i, src, j, sc, DC)
+    elif first:
+        for d in range(D):
+            dst[i, d] = widen(src[j, d]) * sc
+    else:
+        for d in range(D):
+            dst[i, d] += widen(src[j, d]) * sc
+
+
+@jit(inline="always")
+def _prefetch_row(table, r, row_bytes, write):
+    for k in range(0, row_bytes, 64):  # every line of the row, and its last byte (rows need not be aligned)
+        if write:
+            prefetch_write(table, r, k)
+        else:
+            prefetch(table, r, k)
+    if write:
+        prefetch_write(table, r, row_bytes - 1)
+    else:
+        prefetch(table, r, row_bytes - 1)
+
+
 @kernel_factory("embedding_bag_forward")
 def _forward_factory(spec):
-    DC, PF = spec["D"], spec["pf"]  # spec["bf16"] only tells the weight dtype apart in the cache key
+    DC, PF = spec["D"], spec["pf"]
+    ITEM = 2 if spec["bf16"] else 4  # bytes per table element, a constant so prefetch loops unroll
 
     @jit(parallel=True)
     def forward(weight, indices, offsets, psw, mean, last, nchunks, out):
@@ -241,35 +315,21 @@ def _forward_factory(spec):
         nbags = out.shape[0]
         D = DC if DC else out.shape[1]
         nnz = indices.shape[0]
-        row_bytes = D * weight.itemsize
         has_psw = psw.shape[0] > 0
         for c in prange(nchunks):
-            acc = stack_f32(DC) if DC else np.empty(D, np.float32)
-            b0, b1 = c * nbags // nchunks, (c + 1) * nbags // nchunks
-            jstop = _bag_end(offsets, b1 - 1, nbags, nnz, last)
-            for b in range(b0, b1):
+            acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
+            for b in range(c * nbags // nchunks, (c + 1) * nbags // nchunks):
                 s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
-                for d in range(D):
-                    acc[d] = 0.0
                 for j in range(s, e):
-                    if j + PF < jstop:
-                        ahead = indices[j + PF]
-                        for k in range(0, row_bytes, 64):
-                            prefetch(weight, ahead, k)
-                        prefetch(weight, ahead, row_bytes - 1)
-                    r = indices[j]
-                    sc = psw[j] if has_psw else np.float32(1.0)
-                    if DC:
-                        row_axpy(acc, weight, r, sc, DC)
-                    else:
-                        for d in range(D):
-                            acc[d] += widen(weight[r, d]) * sc
-                if mean and e > s:
-                    inv = np.float32(1.0) / np.float32(e - s)
+                    if j + PF < nnz:
+                        _prefetch_row(weight, indices[j + PF], D * ITEM, False)
+                    _madd_row(acc, 0, weight, indices[j], psw[j] if has_psw else np.float32(1.0), D, DC, j == s)
+                if e > s:
+                    inv = np.float32(1.0) / np.float32(e - s) if mean else np.float32(1.0)
+                    _madd_row(out, b, acc, 0, inv, D, DC, True)
+                else:
                     for d in range(D):
-                        acc[d] *= inv
-                for d in range(D):
-                    out[b, d] = acc[d]
+                        out[b, d] = 0.0
     return forward
 
 
@@ -291,9 +351,9 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
         return out
     if D == 0:
         return out
-    kern = _kernel("embedding_bag_forward", D=_d_class(D), bf16=bf16, pf=PREFETCH)
-    # one chunk of bags per thread (numba.get_num_threads inside a kernel defeats its disk cache)
-    kern(w, indices, offsets, psw, mean, bool(include_last_offset), min(numba.get_num_threads(), nbags), out)
+    kern = _forward_kernel(_d_class(D), bf16)
+    # contiguous chunks of bags, spread over the threads by prange (independent of the thread count)
+    kern(w, indices, offsets, psw, mean, bool(include_last_offset), min(_CHUNKS, nbags), out)
     return out
 
 
@@ -301,17 +361,22 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
 
 
 @jit()
-def _plan(indices, offsets, nbags, num_rows, last, nparts):
+def _plan(indices, offsets, nbags, num_rows, last, mean, nparts):
     """Sort (row, position) pairs by row (stable LSD radix sort) and cut the groups of equal rows
     into nparts contiguous ranges of about equal length.
 
     Returns rows (nnz,) sorted, pos (nnz,) positions in that order, bag_of (nnz,) bag of each
-    position, group (U + 1,) start of each group of equal rows, parts (nparts + 1,) group cuts.
+    position, inv_len (B,) bag scale (1/size for mean), group (U + 1,) start of each group of
+    equal rows, parts (nparts + 1,) group cuts.
     """
     nnz = indices.shape[0]
     bag_of = np.empty(nnz, np.int64)
+    inv_len = np.ones(nbags, np.float32)
     for b in range(nbags):
-        for j in range(offsets[b], _bag_end(offsets, b, nbags, nnz, last)):
+        s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
+        if mean and e > s:
+            inv_len[b] = np.float32(1.0) / np.float32(e - s)
+        for j in range(s, e):
             bag_of[j] = b
     rows = np.empty(nnz, np.int64)
     pos = np.empty(nnz, np.int64)
@@ -357,30 +422,13 @@ def _plan(indices, offsets, nbags, num_rows, last, nparts):
     for t in range(nparts + 1):
         parts[t] = np.searchsorted(group, t * nnz // nparts)  # first group starting at or after the cut
     parts[nparts] = ngroups
-    return rows, pos, bag_of, group, parts
-
-
-@jit(inline="always")
-def _gather_grad(acc, D, DC, rows_pos, k0, k1, bag_of, dout, psw, inv_len):
-    """acc[:D] = sum over occurrences k0..k1 of (scale * dout[bag]), in position order."""
-    for d in range(D):
-        acc[d] = 0.0
-    has_psw = psw.shape[0] > 0
-    for k in range(k0, k1):
-        j = rows_pos[k]
-        b = bag_of[j]
-        sc = psw[j] if has_psw else np.float32(1.0)
-        sc *= inv_len[b]
-        if DC:
-            row_axpy(acc, dout, b, sc, DC)
-        else:
-            for d in range(D):
-                acc[d] += dout[b, d] * sc
+    return rows, pos, bag_of, inv_len, group, parts
 
 
 @kernel_factory("embedding_bag_update")
 def _update_factory(spec):
     DC, PF, kind = spec["D"], spec["pf"], spec["kind"]
+    ITEM = 2 if kind == "sgd_bf16" else 4
     GRAD, SGD, BF16, ADAGRAD = (kind == k for k in _UPDATES)
 
     @jit(parallel=True, fastmath=frozenset())  # strict IEEE: bf16 and fp32 SGD round identically
@@ -388,42 +436,40 @@ def _update_factory(spec):
         # table: (R, D) float32 weight, or bf16 hi bits with lo the low halves; state: (R,) Adagrad;
         # drows: (U, D) output of kind "grad". Thread t owns the row groups parts[t]:parts[t+1].
         D = DC if DC else dout.shape[1]
-        row_bytes = D * table.itemsize
+        has_psw = psw.shape[0] > 0
+        ngroups = group.shape[0] - 1
         for t in prange(parts.shape[0] - 1):
-            acc = stack_f32(DC) if DC else np.empty(D, np.float32)
+            acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
             g0, g1 = parts[t], parts[t + 1]
             for g in range(g0, g1):
-                if not GRAD and g + PF < g1:
-                    ahead = rows[group[g + PF]]
-                    for k in range(0, row_bytes, 64):
-                        prefetch_write(table, ahead, k)
-                    prefetch_write(table, ahead, row_bytes - 1)
+                if not GRAD and g + PF < ngroups:  # a hint only: may touch the next part's rows
+                    _prefetch_row(table, rows[group[g + PF]], D * ITEM, True)
                     if BF16:
-                        for k in range(0, row_bytes, 64):
-                            prefetch_write(lo, ahead, k)
-                _gather_grad(acc, D, DC, pos, group[g], group[g + 1], bag_of, dout, psw, inv_len)
+                        _prefetch_row(lo, rows[group[g + PF]], D * ITEM, True)
+                # the coalesced gradient of this row: its occurrences in position order
+                for k in range(group[g], group[g + 1]):
+                    j = pos[k]
+                    sc = (psw[j] if has_psw else np.float32(1.0)) * inv_len[bag_of[j]]
+                    _madd_row(acc, 0, dout, bag_of[j], sc, D, DC, k == group[g])
                 r = rows[group[g]]
                 if GRAD:
-                    for d in range(D):
-                        drows[g, d] = acc[d]
+                    _madd_row(drows, g, acc, 0, np.float32(1.0), D, DC, True)
                 elif SGD:
-                    for d in range(D):
-                        table[r, d] = table[r, d] - lr * acc[d]
+                    _madd_row(table, r, acc, 0, -lr, D, DC, False)  # w + (-lr * g): exactly w - lr * g
                 elif BF16:
                     for d in range(D):
                         w = as_float32((np.uint32(table[r, d]) << np.uint32(16)) | np.uint32(lo[r, d]))
-                        bits = as_uint32(w - lr * acc[d])
+                        bits = as_uint32(w - lr * acc[0, d])
                         table[r, d] = np.uint16(bits >> np.uint32(16))
                         lo[r, d] = np.uint16(bits & np.uint32(0xFFFF))
                 else:
                     ss = 0.0
                     for d in range(D):
-                        ss += np.float64(acc[d]) * np.float64(acc[d])
+                        ss += np.float64(acc[0, d]) * np.float64(acc[0, d])
                     s_new = np.float32(state[r] + ss / D)
                     state[r] = s_new
                     step = np.float32(lr / (math.sqrt(np.float64(s_new)) + eps))
-                    for d in range(D):
-                        table[r, d] = table[r, d] - step * acc[d]
+                    _madd_row(table, r, acc, 0, -step, D, DC, False)
     return update
 
 
@@ -437,26 +483,17 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
     indices, offsets, nbags, psw, mean = _check_common(
         indices, offsets, num_rows, mode, per_sample_weights, include_last_offset, table_name)
     dout = _as_float_array("dout", dout, (nbags, D))
-    nthreads = numba.get_num_threads()
-    rows, pos, bag_of, group, parts = _plan(indices, offsets, nbags, num_rows, bool(include_last_offset),
-                                            max(1, min(nthreads, indices.shape[0])))
+    # row-group parts spread over the threads by prange: ownership and results do not depend on the thread count
+    rows, pos, bag_of, inv_len, group, parts = _plan(indices, offsets, nbags, num_rows, bool(include_last_offset),
+                                                     mean, max(1, min(_CHUNKS, indices.shape[0])))
     ngroups = group.shape[0] - 1
-    if mean:
-        ends = np.append(offsets[1:nbags], indices.shape[0]) if not include_last_offset else offsets[1:]
-        lens = ends - offsets[:nbags]
-        inv_len = (np.float32(1.0) / np.maximum(lens, 1).astype(np.float32)).astype(np.float32)
-    else:
-        inv_len = np.ones(nbags, np.float32)
-    drows = np.empty((ngroups, D) if kind == "grad" else (0, D), np.float32)
+    drows = np.empty((ngroups, D), np.float32) if kind == "grad" else _NO_ROWS
     if ngroups and D:
-        dummy2 = np.empty((0, D), np.uint16)
-        kern = _kernel("embedding_bag_update", D=_d_class(D), pf=PREFETCH, kind=kind)
-        kern(rows, pos, bag_of, group, parts, dout, psw, inv_len, np.float32(lr), np.float64(eps),
-             table if table is not None else drows, lo if lo is not None else dummy2,
-             state if state is not None else np.empty(0, np.float32), drows)
-    if kind == "grad":
-        return rows[group[:-1]], drows
-    return None
+        _update_kernel(_d_class(D), kind)(
+            rows, pos, bag_of, group, parts, dout, psw, inv_len, np.float32(lr), np.float64(eps),
+            drows if table is None else table, _NO_LO if lo is None else lo, _NO_STATE if state is None else state,
+            drows)
+    return (rows[group[:-1]], drows) if kind == "grad" else None
 
 
 def embedding_bag_backward(indices, offsets, dout, num_rows, *, mode="sum", per_sample_weights=None,
