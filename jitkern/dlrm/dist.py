@@ -341,7 +341,7 @@ class _Plan:
 
 def _slice_bags(offsets, indices, lo, hi):
     """The bags of samples lo..hi-1 of one table: (offsets (hi-lo,) from 0, indices view)."""
-    start = int(offsets[lo])
+    start = int(offsets[lo]) if lo < len(offsets) else len(indices)
     end = int(offsets[hi]) if hi < len(offsets) else len(indices)
     return offsets[lo:hi] - start, indices[start:end]
 

@@ -24,6 +24,7 @@ def main(batch, steps, interaction, self_interaction):
     single = DLRM(**arch)
     rs = np.random.RandomState(3)
     batches = [random_batch(rs, SIZES, 5, batch, 4, False) for _ in range(steps)]
+    batches.append(random_batch(rs, SIZES, 5, 2, 4, False))     # B < P: a rank gets no rows
     losses_d = [dist.train_step(b.dense, b.offsets, b.indices, b.labels, 0.2) for b in batches]
     losses_s = [single.train_step(b.dense, b.offsets, b.indices, b.labels, 0.2) for b in batches]
     probs_d = dist.forward(batches[0].dense, batches[0].offsets, batches[0].indices)
