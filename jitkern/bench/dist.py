@@ -35,6 +35,8 @@ def worker(args) -> int:
     batches = [random_batch(cfg, args.batch, s) for s in range(3)]
     losses = [m.train_step(*batches[i % 3], 0.01) for i in range(args.warmup)]
     m.timer = timer = StageTimer()
+    if comm is not None:
+        m.exchange.reset_stats()
     times = []
     for i in range(args.steps):
         if comm is not None:

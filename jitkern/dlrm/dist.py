@@ -233,7 +233,10 @@ class Exchange:
                     break
                 op.req = op.stages.pop(0)()
             if wait:
-                op.req.Wait()
+                # Test + yield instead of Wait: MPICH's Wait spins, which on a shared or
+                # oversubscribed machine takes the CPU from the rank being waited for
+                while not op.req.Test():
+                    os.sched_yield()
             elif not op.req.Test():
                 break
             op.req = None
