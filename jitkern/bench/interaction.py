@@ -12,6 +12,7 @@ import argparse
 
 import numpy as np
 
+from ..codegen import jit
 from ..ops import interaction as K
 from ..ops.reference import interaction_pairs
 from .common import blas_description, do_bench, print_table, set_threads, torch_or_none
@@ -56,6 +57,25 @@ def _torch_step(torch, x, ly, dz):
             a.grad = None
         torch_interact_features(torch, xt, lyt).backward(dzt)
     return step
+
+
+@jit()
+def _fma_loop(x, n):
+    # 8 independent 16-lane FMA chains: enough to saturate the FMA pipes on AVX-512/AVX2/NEON
+    c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = K._vzero(16)
+    m = K._vsplat(x, 16)
+    for _ in range(n):
+        c0, c1, c2, c3 = K._vfma(m, c0, m), K._vfma(m, c1, m), K._vfma(m, c2, m), K._vfma(m, c3, m)
+        c4, c5, c6, c7 = K._vfma(m, c4, m), K._vfma(m, c5, m), K._vfma(m, c6, m), K._vfma(m, c7, m)
+    out = np.empty(16, np.float32)
+    K._vstore(out, 0, K._vadd(K._vadd(K._vadd(c0, c1), K._vadd(c2, c3)), K._vadd(K._vadd(c4, c5), K._vadd(c6, c7))))
+    return out[0]
+
+
+def fma_peak_gflops(n=2_000_000):
+    """This core's measured float32 FMA throughput (2 flops per lane per FMA), in GFLOP/s."""
+    t = do_bench(lambda: _fma_loop(np.float32(0.5), n), warmup=1, min_reps=5, min_time=0.2)
+    return 8 * 16 * 2 * n / t.median / 1e9
 
 
 def _best_of(rounds, fns):
@@ -109,6 +129,8 @@ def main(argv=None) -> int:
     print(f"dot interaction forward + backward, B={args.batch}, ly as T x (B, D) float32, "
           f"best of {args.rounds} interleaved rounds; "
           f"{blas_description()}; torch: {torch.__version__ if torch else 'not installed'}")
+    set_threads(1)
+    print(f"this core's measured FMA peak: {fma_peak_gflops():.0f} GFLOP/s (1 thread)")
     headers, rows = run(args.batch, [args.threads] if args.threads else [1, 2], rounds=args.rounds)
     print_table(headers, rows)
     return 0

@@ -7,8 +7,10 @@ vectors into a small scratch and does all its work there; the batch is split acr
             is a broadcast FMA; a 4-row register tile shares every load. Only the triangle is written.
   backward: dT = S @ T with S the symmetric F x F matrix built once from dz's triangle (instead of
             the reference's dZ @ T + dZ^T @ T); a 4-row x W-lane register tile over D.
-The vectors are LLVM `<W x float>` values (W from the host ISA) made available to numba through
-the small intrinsic set below, so LLVM keeps the accumulators in registers.
+The vectors are LLVM `<W x float>` values (W = 16 lanes: one zmm, two ymm or four NEON registers;
+W = 1 for JITKERN_ISA=scalar) made available to numba through the small intrinsic set below, so
+LLVM keeps the accumulators in registers. Kernels take F and D as literals for the DLRM shapes
+(_SPECIALISED) and read them from the arguments otherwise: one generic kernel serves any shape.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
 # fewest samples worth handing to another thread (a thread hand-off costs ~10-50 us)
 _MIN_PER_THREAD = 32
 # (F, D) classes the DLRM benchmarks and models use get kernels with F and D as literals
-_SPECIALISED = {(27, 16), (27, 32), (27, 64), (27, 128), (9, 64)}
+_SPECIALISED = {(27, 16), (27, 64), (27, 128), (9, 64)}
 
 
 # --------------------------------------------------------------------------- vector intrinsics
@@ -106,8 +108,9 @@ def _vsplat(typingctx, x, w):
 
     def codegen(context, builder, sig, args):
         vt = ir.VectorType(ir.FloatType(), n)
-        v = builder.insert_element(ir.Constant(vt, ir.Undefined), args[0], ir.Constant(ir.IntType(32), 0))
-        return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+        undef = ir.Constant(vt, ir.Undefined)
+        v = builder.insert_element(undef, args[0], ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
     return _F32Vec(n)(x, w), codegen
 
 
@@ -130,7 +133,8 @@ def _vfma(typingctx, a, b, c):
 
     def codegen(context, builder, sig, args):
         vt = args[0].type
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt] * 3), f"llvm.fma.v{a.n}f32")
+        fnty = ir.FunctionType(vt, [vt] * 3)
+        fma = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{a.n}f32")
         return builder.call(fma, args)
     return a(a, b, c), codegen
 
