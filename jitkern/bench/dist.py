@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     if args.worker:
         args.config = args.config[0]
         return worker(args)
-    from ..dlrm.scale import HEADERS, measure_and_predict, configs  # noqa: F401
+    from ..dlrm.scale import configs, measure_and_predict
 
     names = args.config or ["kaggle", "mlperf"]
     unknown = sorted(set(names) - set(configs()))

@@ -176,11 +176,15 @@ def predict(cfg: dict, ranks: int, batch: int, dense: dict, table_seconds: list,
         a2a = (ranks - 1) * lat + max(send, recv) / bw
         n = (mlp_params(cfg) + sum(cfg["sizes"][t] for t in rep) * D) * 4
         ar = 2 * (ranks - 1) * lat + 2 * (ranks - 1) / ranks * n / bw
-    behind_fwd = dense.get("bottom_fwd", 0.0)
-    behind_bwd = dense.get("bottom_bwd", 0.0)
-    behind_ar = dense.get("interaction", 0.0) / 2 + behind_bwd + emb / 2
-    exposed = max(a2a - behind_fwd, 0.0) + max(a2a - behind_bwd, 0.0) + max(ar - max(behind_ar - a2a, 0.0), 0.0)
-    return Prediction(ranks, batch, compute, a2a, ar, exposed, compute + exposed)
+    # forward: the alltoall runs behind the bottom MLP. Backward: the reverse alltoall and the
+    # gradient allreduce share the link from the top MLP's first gradient on; the alltoall must
+    # be done before the embedding update, the allreduce before the dense update.
+    fwd = max(a2a - dense.get("bottom_fwd", 0.0), 0.0)
+    top_layers = len(cfg["top"])
+    behind = (dense.get("top_bwd", 0.0) * (top_layers - 1) / top_layers + dense.get("interaction", 0.0) / 2
+              + dense.get("bottom_bwd", 0.0) + emb / 2)
+    bwd = max(a2a - dense.get("bottom_bwd", 0.0), a2a + ar - behind, 0.0)
+    return Prediction(ranks, batch, compute, a2a, ar, fwd + bwd, compute + fwd + bwd)
 
 
 def measure_and_predict(cfg: dict, ranks_list, mode: str, *, bandwidth_gbs: float, latency_us: float,
