@@ -22,36 +22,13 @@ import numpy as np
 
 from .placement import REPLICATED, batch_slices, place_tables
 
-KAGGLE_SIZES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
-                5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
-# The benchmark configs of the DLRM issue (batch 2048; lookups per table per sample).
-LOCAL_CONFIGS = {
-    "kaggle": dict(sizes=KAGGLE_SIZES, dim=16, bottom=[13, 512, 256, 64, 16], top=[512, 256, 1], lookups=1),
-    "kaggle-multihot": dict(sizes=KAGGLE_SIZES, dim=16, bottom=[13, 512, 256, 64, 16], top=[512, 256, 1],
-                            lookups=20),
-    "mlperf": dict(sizes=[200000] * 26, dim=128, bottom=[13, 512, 256, 128], top=[1024, 1024, 512, 256, 1],
-                   lookups=1),
-    "paper-small": dict(sizes=[1000000] * 8, dim=64, bottom=[512, 512, 64], top=[1024, 1024, 1024, 1],
-                        lookups=100),
-}
 BATCH = 2048
 
 
 def configs() -> dict:
-    """name -> dict(sizes, dim, bottom, top, lookups): the DLRM benchmark's table if it has one."""
-    try:
-        from ..bench.dlrm import CONFIGS  # the single-process benchmark's definitions, when present
-        return {name: _normalise(c) for name, c in CONFIGS.items()}
-    except (ImportError, AttributeError, KeyError, TypeError):
-        return dict(LOCAL_CONFIGS)
-
-
-def _normalise(c) -> dict:
-    if isinstance(c, dict) and {"sizes", "dim", "bottom", "top"} <= set(c):
-        return dict(c, lookups=c.get("lookups", 1))
-    get = (lambda k: c[k]) if isinstance(c, dict) else (lambda k: getattr(c, k))
-    return dict(sizes=list(get("embedding_sizes")), dim=int(get("embedding_dim")), bottom=list(get("bottom_mlp")),
-                top=list(get("top_mlp")), lookups=int(get("indices_per_lookup")))
+    """name -> dict(sizes, dim, bottom, top, lookups): the DLRM benchmark's configs."""
+    from ..bench.dlrm import CONFIGS
+    return CONFIGS
 
 
 def random_batch(cfg: dict, batch: int, seed: int):
