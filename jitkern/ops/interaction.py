@@ -391,13 +391,17 @@ def num_pairs(num_features, self_interaction=False):
 
 
 def interaction_dot_forward(x, ly, *, self_interaction=False):
-    """z = [x, lower-triangle dots of [x, ly_0..]]; x: (B, D), ly: (B, T, D) or T x (B, D) -> (B, D + P)."""
+    """z = [x, lower-triangle dots of [x, ly_0..]]; x: (B, D), ly: (B, T, D) or T x (B, D) -> (B, D + P).
+
+    Pairs (i, j), j < i (j <= i with self_interaction), i ascending then j ascending, as the
+    reference DLRM; only the triangle is computed and written.
+    """
     x, keep, addrs, stride, T = _features(x, ly)
     B, D = x.shape
     z = np.empty((B, D + num_pairs(T + 1, self_interaction)), np.float32)
     _over_batch(get_kernel(_spec("interaction_dot_forward", T + 1, D)), B,
                 x, addrs, stride, int(bool(self_interaction)), z)
-    del keep
+    del keep  # the arrays addrs points into: alive until the kernels are done
     return z
 
 
@@ -413,7 +417,7 @@ def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
     dly = np.empty((B, T, D), np.float32)
     _over_batch(get_kernel(_spec("interaction_dot_backward", T + 1, D)), B,
                 dz, x, addrs, stride, int(bool(self_interaction)), dx, dly)
-    del keep
+    del keep  # the arrays addrs points into: alive until the kernels are done
     return dx, dly
 
 
