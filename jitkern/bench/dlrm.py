@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import os
 import sys
 
-import numpy as np
+# idle OpenMP workers sleep rather than spin (why: jitkern/dlrm/cli.py); for both implementations
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from ..dlrm.model import DLRM, StageTimer
+import numpy as np  # noqa: E402
+
+from ..dlrm.model import DLRM, StageTimer  # noqa: E402
 from ..dlrm.synth import random_batch
 from .common import blas_description, do_bench, print_table, set_threads, torch_or_none
 
