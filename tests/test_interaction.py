@@ -87,7 +87,7 @@ def test_dot_pair_order_is_the_reference_dlrm_order():
 
 def test_dot_strided_list_is_read_in_place_and_odd_layouts_work():
     rng = np.random.default_rng(2)
-    B, T, D = 45, 7, 24
+    B, T, D = 45, 7, 32  # D % 16 == 0: the in-register transposes read the strided rows
     x, ly = _inputs(rng, B, T, D)
     wide = np.ascontiguousarray(ly.reshape(B, T * D))              # column blocks of one array
     blocks = [wide[:, t * D:(t + 1) * D] for t in range(T)]
@@ -102,7 +102,7 @@ def test_dot_strided_list_is_read_in_place_and_odd_layouts_work():
 
 def test_dot_edge_shapes_and_determinism():
     rng = np.random.default_rng(3)
-    for B, T, D in [(0, 3, 5), (4, 0, 3), (1, 1, 1), (2, 40, 200)]:
+    for B, T, D in [(0, 3, 5), (4, 0, 3), (1, 1, 1), (2, 40, 200), (3, 17, 48), (2, 0, 16)]:
         x, ly = _inputs(rng, B, T, D)
         for self_interaction in (False, True):
             z = _check_forward(x, ly, self_interaction)

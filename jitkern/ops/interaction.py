@@ -5,6 +5,7 @@ vectors into a small scratch and does all its work there; the batch is split acr
   forward:  row i of the lower triangle, z[i, j] for j < i (+1), is one vector over j: the scratch
             holds the sample transposed (D, Fp) so that z[i, j0:j0+W] += T[i, d] * Tt[d, j0:j0+W]
             is a broadcast FMA; a 4-row register tile shares every load. Only the triangle is written.
+            The transpose is done 16 x 16 blocks at a time in registers when D % 16 == 0.
   backward: dT = S @ T with S the symmetric F x F matrix built once from dz's triangle (instead of
             the reference's dZ @ T + dZ^T @ T); a 4-row x W-lane register tile over D.
 The vectors are LLVM `<W x float>` values (W = 16 lanes: one zmm, two ymm or four NEON registers;
@@ -161,6 +162,51 @@ def _vlen(typingctx, v):
 
 
 @intrinsic
+def _vtranspose16(typingctx, rowaddr, r0, coff, out, o0, ostride):
+    """out.flat[o0 + c * ostride: + 16] = column c of the 16 x 16 block whose row q is the 16 floats
+    at byte address rowaddr[r0 + q] + coff: 16 loads, a 4-stage butterfly of 64 two-input
+    shuffles (stage h swaps the off-diagonal h x h blocks), 16 stores."""
+    if not (isinstance(rowaddr, types.Array) and isinstance(out, types.Array) and out.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        addrs, r0_, coff_, out_, o0_, ostride_ = args
+        vt = ir.VectorType(ir.FloatType(), 16)
+        base = context.make_array(sig.args[0])(context, builder, addrs).data
+        rows = []
+        for q in range(16):
+            a = builder.load(builder.gep(base, [builder.add(r0_, ir.Constant(r0_.type, q))]))
+            rows.append(builder.load(builder.inttoptr(builder.add(a, coff_), vt.as_pointer()), align=4))
+        for h in (8, 4, 2, 1):
+            new = list(rows)
+            for i in range(16):
+                if i & h == 0:
+                    mi = [c if c & h == 0 else 16 + c - h for c in range(16)]
+                    mj = [c + h if c & h == 0 else 16 + c for c in range(16)]
+                    for k, m in ((i, mi), (i + h, mj)):
+                        mask = ir.Constant(ir.VectorType(ir.IntType(32), 16), m)
+                        new[k] = builder.shuffle_vector(rows[i], rows[i + h], mask)
+            rows = new
+        data = context.make_array(sig.args[3])(context, builder, out_).data
+        for c in range(16):
+            off = builder.add(o0_, builder.mul(ir.Constant(o0_.type, c), ostride_))
+            builder.store(rows[c], builder.bitcast(builder.gep(data, [off]), vt.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(rowaddr, types.int64, types.int64, out, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _addr(typingctx, arr):
+    """The byte address of arr's first element."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.ptrtoint(context.make_array(sig.args[0])(context, builder, args[0]).data, ir.IntType(64))
+    return types.int64(arr), codegen
+
+
+@intrinsic
 def _f32_ptr(typingctx, addr):
     """The byte address addr as a float32* (for numba.carray views of the caller's arrays)."""
     if not isinstance(addr, types.Integer):
@@ -211,14 +257,27 @@ def _dot_forward_factory(spec):
         Fp = (F + W - 1) // W * W
         tt = np.zeros(D * Fp, np.float32)  # one sample transposed: (D, Fp), columns >= F stay 0
         g = np.empty(W, np.float32)  # a chunk that would run past the end of z[b]
+        blocks = W == 16 and D % 16 == 0  # transpose 16 x 16 blocks in registers
+        rowaddr = np.empty(Fp, np.int64)   # byte address of each row of the sample; pad rows -> 0s
+        zeros = np.zeros(D, np.float32)
+        rowaddr[F:] = _addr(zeros)
         for b in range(b0, b1):
             for d in range(D):
-                tt[d * Fp] = x[b, d]
                 z[b, d] = x[b, d]
-            for t in range(F - 1):
-                row = numba.carray(_f32_ptr(addrs[t] + 4 * b * stride), (D,))
+            if blocks:
+                rowaddr[0] = _addr(x) + 4 * b * D
+                for t in range(F - 1):
+                    rowaddr[t + 1] = addrs[t] + 4 * b * stride
+                for r0 in range(0, Fp, 16):
+                    for d0 in range(0, D, 16):
+                        _vtranspose16(rowaddr, r0, 4 * d0, tt, d0 * Fp + r0, Fp)
+            else:
                 for d in range(D):
-                    tt[d * Fp + t + 1] = row[d]
+                    tt[d * Fp] = x[b, d]
+                for t in range(F - 1):
+                    row = numba.carray(_f32_ptr(addrs[t] + 4 * b * stride), (D,))
+                    for d in range(D):
+                        tt[d * Fp + t + 1] = row[d]
             for i0 in range(0, F, 4):
                 # rows past F repeat row F-1: computed, never stored
                 i1, i2, i3 = min(i0 + 1, F - 1), min(i0 + 2, F - 1), min(i0 + 3, F - 1)
