@@ -1,6 +1,6 @@
 """Run under mpiexec: a P-rank DLRM and a one-process DLRM on the same batches; rank 0 prints JSON.
 
-usage: mpiexec -n P python equivalence.py BATCH STEPS INTERACTION SELF_INTERACTION
+usage: mpiexec -n P python equivalence.py BATCH STEPS INTERACTION SELF_INTERACTION [PRECISION]
 """
 import json
 import zlib
@@ -16,10 +16,11 @@ SIZES = [3, 50, 2000, 700, 5000, 64, 1200, 3000]     # tiny ones are replicated,
 DIM = 16
 
 
-def main(batch, steps, interaction, self_interaction):
+def main(batch, steps, interaction, self_interaction, precision):
     comm = comm_from_env()
     arch = dict(embedding_sizes=SIZES, embedding_dim=DIM, bottom_mlp=[5, 24, DIM], top_mlp=[20, 1],
-                interaction=interaction, self_interaction=self_interaction, seed=7)
+                interaction=interaction, self_interaction=self_interaction, seed=7,
+                embedding_precision=precision)
     dist = DLRM(**arch, comm=comm)
     single = DLRM(**arch)
     rs = np.random.RandomState(3)
@@ -51,4 +52,4 @@ def main(batch, steps, interaction, self_interaction):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1")
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", (sys.argv[5:] or ["fp32"])[0])
