@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown config(s) {unknown}; choose from {sorted(configs())}")
     ranks = sorted({int(x) for x in args.ranks.split(",")} | {1})
     print(f"bench dist: one thread per rank, {os.cpu_count()} CPUs here; per-rank/global batch {args.batch}")
-    rows = []
+    rows, comm_rows = [], []
     for name in names:
         runs = {}
         for p in ranks:
@@ -121,10 +121,20 @@ def main(argv=None) -> int:
                              f"{pred.step * 1e3:.1f}", f"{(pred.step / step - 1) * 100:+.0f}%",
                              str(loss_ok) + over])
         print(f"  {name}: link between ranks {bw:.1f} GB/s, {lat:.1f} us (used by the model)")
+        for (p, batch), run in sorted(runs.items()):
+            for kind, calls, mb, wire, exposed, hidden in run["comm"]:
+                n = args.steps if p <= (os.cpu_count() or 1) else 2
+                comm_rows.append([name, p, batch, kind, f"{calls / n:.0f}", f"{mb / n:.2f}", f"{wire / n:.2f}",
+                                  f"{exposed / n:.2f}", f"{hidden / n:.2f}"])
     print_table(["config", "mode", "P", "global B", "ms/step", "samples/s", "eff|speedup", "comm exposed ms",
                  "comm hidden ms", "model ms", "model err", "loss = P1"], rows)
     print("eff = step(P=1) / step(P) at a fixed per-rank batch; speedup = step(P=1) / step(P) at a fixed global "
           "batch; comm columns are per step on rank 0.")
+    if comm_rows:
+        print("\nexchanges per step on rank 0 (link ms: bytes and latency on the measured link; exposed: time in "
+              "MPI calls, incl. waiting for the other ranks; hidden: link time covered by compute):")
+        print_table(["config", "P", "global B", "exchange", "calls", "MB sent", "link ms", "exposed ms", "hidden ms"],
+                    comm_rows)
     return 0
 
 
