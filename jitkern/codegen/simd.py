@@ -3,11 +3,12 @@
 The GEMM microkernel computes one MR x NR tile of C from packed panels:
 
     acc = (load ? C[0:MR, 0:NR] : 0) + sum_k  ap[k, 0:MR] (outer) bp[k, 0:NR]
-    if epi: acc = relu(acc + bias[0:NR])          (bias / relu chosen at compile time)
+    if epi: acc = relu?(acc + bias?[0:NR])        (use_bias / relu: runtime flags)
     C[0:MR, 0:NR] = acc
 
-ap is an A micro-panel packed k-major (kc x MR), bp a B micro-panel packed k-major (kc x NR),
-C is addressed through a flat array with row stride ldc. The MR x NR accumulators live in
+ap is an A micro-panel packed k-major (kc x MR); bp a B micro-panel, k-major with row stride
+ldb (NR when packed, or B's own row stride when B is read in place); C is addressed through a
+flat array with row stride ldc. The MR x NR accumulators live in
 vector registers for the whole K loop, so C is loaded and stored once per call. Vector width
 comes from the target ISA (16 floats AVX-512, 8 AVX2, 4 NEON); with ISA "scalar" (unknown
 hosts, or JITKERN_ISA=scalar) the same IR is emitted with width-1 vectors, i.e. portable scalar
@@ -44,21 +45,21 @@ def _vector_fn(module, name, vec):
     return fn
 
 
-def _emit_tile_function(module, mr: int, nr: int, vw: int, has_bias: bool, relu: bool):
+def _emit_tile_function(module, mr: int, nr: int, vw: int):
     """Define (once per LLVM module) the always-inline tile function; return it."""
-    name = f"jitkern_tile_{mr}x{nr}_v{vw}_b{int(has_bias)}_r{int(relu)}"
+    name = f"jitkern_tile_{mr}x{nr}_v{vw}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
     vec = ir.VectorType(_F32, vw)
     fp, vp = _F32.as_pointer(), vec.as_pointer()
     nv = nr // vw
-    fnty = ir.FunctionType(ir.VoidType(), [_I64, fp, fp, fp, _I64, _I1, _I1, fp])
+    fnty = ir.FunctionType(ir.VoidType(), [_I64, fp, fp, _I64, fp, _I64, _I1, _I1, fp, _I1, _I1])
     fn = ir.Function(module, fnty, name=name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
-    kc, pa, pb, pc, ldc, load, epi, pbias = fn.args
+    kc, pa, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu = fn.args
     for p in (pa, pb, pc, pbias):
         p.add_attribute("noalias")
     fma = _vector_fn(module, f"llvm.fma.v{vw}f32", vec)
@@ -96,7 +97,7 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int, has_bias: bool, relu:
     bld.cbranch(bld.icmp_signed("<", k, kc), b_body, b_tail)
 
     bld.position_at_end(b_body)
-    bbase = bld.mul(k, ir.Constant(_I64, nr))
+    bbase = bld.mul(k, ldb)
     bvec = [bld.load(bld.bitcast(bld.gep(pb, [bld.add(bbase, ir.Constant(_I64, v * vw))]), vp), align=4)
             for v in range(nv)]
     abase = bld.mul(k, ir.Constant(_I64, mr))
@@ -116,15 +117,16 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int, has_bias: bool, relu:
     bld.position_at_end(b_tail)
     bld.cbranch(epi, b_epi, b_store)
 
-    # epilogue on the registers: per-column bias, then ReLU that keeps NaN (x < 0 -> 0, else x)
+    # epilogue on the registers: per-column bias, then ReLU that keeps NaN (x < 0 -> 0, else x).
+    # The flags are runtime values (this runs once per tile, so a select costs nothing); the
+    # bias pointer must be valid for NR floats even when use_bias is false.
     bld.position_at_end(b_epi)
-    done = [row[:] for row in acc]
-    if has_bias:
-        bias = [bld.load(bld.bitcast(bld.gep(pbias, [ir.Constant(_I64, v * vw)]), vp), align=4)
-                for v in range(nv)]
-        done = [[bld.fadd(done[r][v], bias[v]) for v in range(nv)] for r in range(mr)]
-    if relu:
-        done = [[bld.select(bld.fcmp_ordered("<", x, zero), zero, x) for x in row] for row in done]
+    bias = [bld.load(bld.bitcast(bld.gep(pbias, [ir.Constant(_I64, v * vw)]), vp), align=4)
+            for v in range(nv)]
+    done = [[bld.select(use_bias, bld.fadd(acc[r][v], bias[v]), acc[r][v]) for v in range(nv)]
+            for r in range(mr)]
+    done = [[bld.select(relu, bld.select(bld.fcmp_ordered("<", x, zero), zero, x), x) for x in row]
+            for row in done]
     bld.branch(b_store)
 
     bld.position_at_end(b_store)
@@ -140,33 +142,34 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int, has_bias: bool, relu:
     return fn
 
 
-def tile_code(mr: int, nr: int, vw: int, has_bias: bool, relu: bool) -> int:
-    """Pack a tile's compile-time parameters into one int for `fma_tile` (a literal in njit code)."""
+def tile_code(mr: int, nr: int, vw: int) -> int:
+    """Pack a tile's compile-time shape into one int for `fma_tile` (a literal in njit code)."""
     if nr % vw or not (0 < mr < 256 and 0 < nr < 256 and 0 < vw < 256):
         raise ValueError(f"bad tile {mr}x{nr} for vector width {vw}")
-    return mr | nr << 8 | vw << 16 | int(bool(has_bias)) << 24 | int(bool(relu)) << 25
+    return mr | nr << 8 | vw << 16
 
 
 def _decode(code: int):
-    return code & 255, code >> 8 & 255, code >> 16 & 255, bool(code >> 24 & 1), bool(code >> 25 & 1)
+    return code & 255, code >> 8 & 255, code >> 16 & 255
 
 
 # One module-level intrinsic whose tile shape arrives as a literal int: numba's disk cache keys a
 # caller on its bytecode and closure values, so drivers must close over plain ints (tile_code),
 # never over per-process objects such as intrinsics (whose pickles differ between processes).
 @intrinsic(prefer_literal=True)
-def fma_tile(typingctx, code, kc, ap, aoff, bp, boff, c, coff, ldc, load, epi, bias, biasoff):
-    """fma_tile(code, kc, ap, aoff, bp, boff, c, coff, ldc, load, epi, bias, biasoff): see module doc.
+def fma_tile(typingctx, code, kc, ap, aoff, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff, use_bias,
+             relu):
+    """fma_tile(code, kc, ap, aoff, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff, use_bias, relu).
 
     All arrays are flat float32; code = tile_code(...) must be a compile-time constant.
     """
     if not isinstance(code, types.IntegerLiteral):
         return None
-    mr, nr, vw, has_bias, relu = _decode(code.literal_value)
-    sig = types.void(code, kc, ap, aoff, bp, boff, c, coff, ldc, load, epi, bias, biasoff)
+    mr, nr, vw = _decode(code.literal_value)
+    sig = types.void(code, kc, ap, aoff, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff, use_bias, relu)
 
     def codegen(context, builder, signature, args):
-        _, kc_, ap_, aoff_, bp_, boff_, c_, coff_, ldc_, load_, epi_, bias_, biasoff_ = args
+        _, kc_, ap_, aoff_, bp_, boff_, ldb_, c_, coff_, ldc_, load_, epi_, bias_, biasoff_, ub_, relu_ = args
         tys = signature.args
 
         def ptr(i, arr, off):
@@ -176,9 +179,10 @@ def fma_tile(typingctx, code, kc, ap, aoff, bp, boff, c, coff, ldc, load, epi, b
         def cast(i, v, to):
             return context.cast(builder, v, tys[i], to)
 
-        fn = _emit_tile_function(builder.module, mr, nr, vw, has_bias, relu)
-        builder.call(fn, [cast(1, kc_, types.int64), ptr(2, ap_, aoff_), ptr(4, bp_, boff_), ptr(6, c_, coff_),
-                          cast(8, ldc_, types.int64), cast(9, load_, types.boolean),
-                          cast(10, epi_, types.boolean), ptr(11, bias_, biasoff_)])
+        fn = _emit_tile_function(builder.module, mr, nr, vw)
+        builder.call(fn, [cast(1, kc_, types.int64), ptr(2, ap_, aoff_), ptr(4, bp_, boff_),
+                          cast(6, ldb_, types.int64), ptr(7, c_, coff_), cast(9, ldc_, types.int64),
+                          cast(10, load_, types.boolean), cast(11, epi_, types.boolean), ptr(12, bias_, biasoff_),
+                          cast(14, ub_, types.boolean), cast(15, relu_, types.boolean)])
         return context.get_dummy_value()
     return sig, codegen

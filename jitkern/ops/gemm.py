@@ -27,33 +27,63 @@ log = logging.getLogger("jitkern")
 _F32 = np.dtype(np.float32)
 
 
+@jit(inline="always")
+def _pack_value(a, y, i, j, alpha, mask):
+    """a[i, j] (zeroed where the ReLU output y[i, j] <= 0 if mask), times alpha."""
+    v = a[i, j]
+    if mask and not y[i, j] > 0:
+        v = np.float32(0.0)
+    return v * alpha
+
+
 @kernel_factory("gemm")
 def _gemm_factory(spec: KernelSpec):
-    TA, TB = spec["trans_a"], spec["trans_b"]
-    BIAS, RELU, MASK, DB = spec["bias"], spec["relu"], spec["mask"], spec["db"]
+    # Only the register tile is compile-time: transposition and epilogue pick packing loops and
+    # a once-per-tile select, which cost nothing as runtime flags, and one kernel per ISA keeps
+    # compilation (about 10 s per parallel kernel here) to a single build.
     MR, NR = spec["mr"], spec["nr"]
-    CODE = tile_code(MR, NR, spec["vw"], BIAS, RELU)
+    CODE = tile_code(MR, NR, spec["vw"])
 
     @jit(parallel=True)
-    def gemm_kernel(a, b, c, bias, y, db, m, n, k, alpha, beta, mc, kc, nc):
-        # a: (m, k) or (k, m) if TA; y: like a (ReLU output, MASK); b: (k, n) or (n, k) if TB
-        # c: (m, n) C-contiguous; bias: (n,) if BIAS; db: (m,) out, row sums of masked A (DB)
+    def gemm_kernel(a, b, c, bias, y, db, m, n, k, alpha, beta, mc, kc, nc,
+                    ta, tb, use_bias, relu, mask, want_db):
+        # a: (m, k) or (k, m) if ta; y: like a (ReLU output, if mask); b: (k, n) or (n, k) if tb
+        # c: (m, n) C-contiguous; bias: (n,) if use_bias; db: (m,) out, row sums of masked A if want_db
         npan = (n + NR - 1) // NR
-        bp = np.empty(npan * max(k, 1) * NR, np.float32)  # panel p, then k, then NR columns
-        for p in prange(npan):
-            base = p * k * NR
-            for r in range(NR):
-                j = p * NR + r
-                if j < n:
+        # Pack B into k-major NR-wide panels (panel p at p * k * NR) when tb, or when B's row
+        # stride is a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets).
+        # Otherwise B's rows are already k-major: full panels are read in place (row stride n)
+        # and only a ragged last panel is packed, zero-padded, into panel 0 of bp.
+        inplace = not tb and n % 512 != 0
+        packed = (1 if n % NR else 0) if inplace else npan
+        bp = np.empty(max(packed * k * NR, 1), np.float32)
+        bflat = b.reshape(b.size)
+        if tb:  # b rows are C columns: read each along k
+            for p in prange(packed):
+                width = min(NR, n - p * NR)
+                for r in range(width):
                     for kk in range(k):
-                        bp[base + kk * NR + r] = b[j, kk] if TB else b[kk, j]
-                else:
+                        bp[(p * k + kk) * NR + r] = b[p * NR + r, kk]
+                for r in range(width, NR):
                     for kk in range(k):
-                        bp[base + kk * NR + r] = 0.0
+                        bp[(p * k + kk) * NR + r] = 0.0
+        elif packed > 0:  # b rows are k: scan them in memory order, scatter to the panels
+            p_first = npan - packed
+            for kb in prange((k + 63) // 64):
+                for kk in range(kb * 64, min(k, kb * 64 + 64)):
+                    for p in range(p_first, npan):
+                        base = ((p - p_first) * k + kk) * NR
+                        width = min(NR, n - p * NR)
+                        for r in range(width):
+                            bp[base + r] = b[kk, p * NR + r]
+                        for r in range(width, NR):
+                            bp[base + r] = 0.0
         biasp = np.zeros(npan * NR, np.float32)
-        if BIAS:
+        if use_bias:
             biasp[:n] = bias
         cf = c.reshape(m * n)
+        aflat = a.reshape(a.size)
+        yflat = y.reshape(y.size)
         nib = (m + mc - 1) // mc
         njb = (n + nc - 1) // nc
         npc = max(1, (k + kc - 1) // kc)
@@ -75,48 +105,66 @@ def _gemm_factory(spec: KernelSpec):
             for pi in range(npc):
                 p0 = pi * kc
                 kcb = min(kc, k - p0)
-                # pack A[i0:i0+mcb, p0:p0+kcb] as MR-row panels, k-major, zero-padded rows
+                # pack A[i0:i0+mcb, p0:p0+kcb] as MR-row panels, k-major, zero-padded rows; the
+                # loop order follows a's memory order (rows along k, or columns if ta)
                 for ip in range(nmp):
-                    for r in range(MR):
-                        i = i0 + ip * MR + r
-                        dst = ip * kcb * MR + r
-                        if i >= i0 + mcb:
-                            for kk in range(kcb):
-                                ap[dst + kk * MR] = 0.0
-                            continue
-                        s = 0.0
+                    dst = ip * kcb * MR
+                    rows = min(MR, i0 + mcb - (i0 + ip * MR))
+                    ibase = i0 + ip * MR
+                    if ta and rows == MR:  # the common case: MR contiguous floats per k
                         for kk in range(kcb):
-                            v = a[p0 + kk, i] if TA else a[i, p0 + kk]
-                            if MASK:
-                                if not ((y[p0 + kk, i] if TA else y[i, p0 + kk]) > 0):
-                                    v = np.float32(0.0)
-                            if DB:
-                                s += v
-                            ap[dst + kk * MR] = v * alpha if alpha != 1.0 else v
-                        if DB:
-                            dbacc[ip * MR + r] += s
+                            src = (p0 + kk) * m + ibase
+                            d = dst + kk * MR
+                            if mask:
+                                for r in range(MR):
+                                    ap[d + r] = aflat[src + r] * alpha if yflat[src + r] > 0 else np.float32(0.0)
+                            else:
+                                for r in range(MR):
+                                    ap[d + r] = aflat[src + r] * alpha
+                    elif ta:
+                        for kk in range(kcb):
+                            for r in range(rows):
+                                ap[dst + kk * MR + r] = _pack_value(a, y, p0 + kk, ibase + r, alpha, mask)
+                    else:
+                        for r in range(rows):
+                            for kk in range(kcb):
+                                ap[dst + kk * MR + r] = _pack_value(a, y, ibase + r, p0 + kk, alpha, mask)
+                    for r in range(rows, MR):
+                        for kk in range(kcb):
+                            ap[dst + kk * MR + r] = 0.0
+                    if want_db and jb == 0:  # bias gradient: row sums of the masked A, in k order
+                        for kk in range(kcb):  # rows innermost: MR independent sums, vectorised
+                            for r in range(MR):
+                                dbacc[ip * MR + r] += ap[dst + kk * MR + r]
                 load = beta != 0.0 or pi > 0
                 epi = pi == npc - 1
                 for jp in range(j0 // NR, (j0 + ncb + NR - 1) // NR):
                     jj = jp * NR
                     nrem = min(NR, n - jj)
-                    boff = (jp * k + p0) * NR
+                    if not inplace:
+                        bsrc, boff, ldb = bp, (jp * k + p0) * NR, NR
+                    elif nrem < NR:
+                        bsrc, boff, ldb = bp, p0 * NR, NR
+                    else:
+                        bsrc, boff, ldb = bflat, p0 * n + jj, n
                     for ip in range(nmp):
                         ii = i0 + ip * MR
                         mrem = min(MR, i0 + mcb - ii)
                         aoff = ip * kcb * MR
                         if mrem == MR and nrem == NR:
-                            fma_tile(CODE, kcb, ap, aoff, bp, boff, cf, ii * n + jj, n, load, epi, biasp, jj)
+                            fma_tile(CODE, kcb, ap, aoff, bsrc, boff, ldb, cf, ii * n + jj, n, load, epi,
+                                     biasp, jj, use_bias, relu)
                         else:  # edge tile: compute the full tile in a scratch buffer, copy the valid part
                             if load:
                                 for r in range(mrem):
                                     for q in range(nrem):
                                         tile[r * NR + q] = c[ii + r, jj + q]
-                            fma_tile(CODE, kcb, ap, aoff, bp, boff, tile, 0, NR, load, epi, biasp, jj)
+                            fma_tile(CODE, kcb, ap, aoff, bsrc, boff, ldb, tile, 0, NR, load, epi,
+                                     biasp, jj, use_bias, relu)
                             for r in range(mrem):
                                 for q in range(nrem):
                                     c[ii + r, jj + q] = tile[r * NR + q]
-            if DB and jb == 0:
+            if want_db and jb == 0:
                 for r in range(mcb):
                     db[i0 + r] = dbacc[r]
     return gemm_kernel
@@ -133,10 +181,9 @@ def tile_shape(isa: str | None = None) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(isa: str, ta: bool, tb: bool, bias: bool, relu: bool, mask: bool, db: bool):
+def _kernel(isa: str):
     mr, nr, vw = tile_for(isa)
-    return get_kernel(KernelSpec.make("gemm", trans_a=ta, trans_b=tb, bias=bias, relu=relu, mask=mask,
-                                      db=db, mr=mr, nr=nr, vw=vw))
+    return get_kernel(KernelSpec.make("gemm", mr=mr, nr=nr, vw=vw))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -170,15 +217,16 @@ def _gemm_into(a, b, c, ta, tb, *, alpha=1.0, beta=0.0, bias=None, relu=False, y
     else:  # the tuner's candidates
         mc, kc, nc = gemm_blocks(op, m, n, k, *tile_for(isa)[:2], numba.get_num_threads(), blocks)
     args = (a, b, c, _DUMMY if bias is None else bias, _DUMMY2 if y is None else y,
-            _DUMMY if db is None else db, m, n, k, np.float32(alpha), np.float32(beta), mc, kc, nc)
-    flags = (ta, tb, bias is not None, relu, y is not None, db is not None)
+            _DUMMY if db is None else db, m, n, k, np.float32(alpha), np.float32(beta), mc, kc, nc,
+            ta, tb, bias is not None, relu, y is not None, db is not None)
+    kern = _kernel(isa)
     try:
-        _kernel(isa, *flags)(*args)
-    except numba.core.errors.NumbaError as e:  # dispatch never fails: the portable tile always builds
-        if isa == "scalar":
+        kern(*args)
+    except Exception as e:  # dispatch never fails: if this ISA's kernel cannot build, go portable
+        if isa == "scalar" or kern.signatures:
             raise
         log.warning("gemm %s kernel failed to build (%s); using the portable scalar kernel", isa, e)
-        _kernel("scalar", *flags)(*args)
+        _kernel("scalar")(*args)
     return c
 
 

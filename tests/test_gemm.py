@@ -1,0 +1,206 @@
+"""GEMM family against the NumPy references: shapes, transposes, alpha/beta, epilogues, backward."""
+import importlib
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jitkern.codegen import host_target
+from jitkern.ops import batch_reduce_gemm, gemm, linear_backward, linear_forward
+from jitkern.ops import reference as ref
+
+G = importlib.import_module("jitkern.ops.gemm")
+EPS = np.finfo(np.float32).eps
+# 1..300 with the awkward sizes over-represented: 1, primes, around the tile sizes
+dims = st.one_of(st.integers(1, 300), st.sampled_from([1, 2, 7, 13, 31, 33, 97, 127, 257, 293]))
+
+
+def arrays(rng, *shape):
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def assert_close(got, want, scale, k):
+    """|got - want| within float32 rounding of a length-k reduction of terms bounded by `scale`."""
+    assert got.dtype == np.float32 and got.shape == want.shape
+    bound = 2 * (k + 4) * EPS * scale + 1e-30
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    assert np.all(err <= bound), f"max err {err.max()} > bound {bound.ravel()[np.argmax(err)]}"
+
+
+@given(m=dims, n=dims, k=dims, ta=st.booleans(), tb=st.booleans(),
+       alpha=st.sampled_from([1.0, -0.5, 2.0]), beta=st.sampled_from([0.0, 1.0, -1.5]), seed=st.integers(0, 99))
+def test_gemm_matches_reference(m, n, k, ta, tb, alpha, beta, seed):
+    rng = np.random.default_rng(seed)
+    a = arrays(rng, *((k, m) if ta else (m, k)))
+    b = arrays(rng, *((n, k) if tb else (k, n)))
+    c = arrays(rng, m, n)
+    got = gemm(a, b, c.copy(), trans_a=ta, trans_b=tb, alpha=alpha, beta=beta)
+    want = ref.gemm(a, b, c, trans_a=ta, trans_b=tb, alpha=alpha, beta=beta)
+    opa, opb = (a.T if ta else a), (b.T if tb else b)
+    scale = abs(alpha) * (np.abs(opa).astype(np.float64) @ np.abs(opb)) + abs(beta) * np.abs(c)
+    assert_close(got, want, scale, k)
+
+
+def test_gemm_beta_zero_ignores_out_and_out_none_allocates():
+    rng = np.random.default_rng(0)
+    a, b = arrays(rng, 9, 5), arrays(rng, 5, 40)
+    out = np.full((9, 40), np.nan, np.float32)  # beta == 0: out is write-only, NaN must not leak
+    res = gemm(a, b, out)
+    assert res is out and np.isfinite(out).all()
+    np.testing.assert_allclose(gemm(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+
+
+@given(n=dims, k=dims, m=dims, bias=st.booleans(), act=st.sampled_from([None, "relu"]), seed=st.integers(0, 99))
+def test_linear_forward_matches_reference(n, k, m, bias, act, seed):
+    rng = np.random.default_rng(seed)
+    x, w = arrays(rng, n, k), arrays(rng, m, k)
+    b = arrays(rng, m) if bias else None
+    got = linear_forward(x, w, b, activation=act)
+    want = ref.linear_forward(x, w, b, activation=act)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T + (np.abs(b) if bias else 0)
+    assert_close(got, want, scale, k)
+    if act == "relu":
+        assert (got >= 0).all()
+
+
+@given(n=dims, k=dims, m=dims, act=st.sampled_from([None, "relu"]), seed=st.integers(0, 99))
+def test_linear_backward_matches_reference(n, k, m, act, seed):
+    rng = np.random.default_rng(seed)
+    x, w, b = arrays(rng, n, k), arrays(rng, m, k), arrays(rng, m)
+    y = ref.linear_forward(x, w, b, activation=act)
+    dy = arrays(rng, n, m)
+    dx, dw, db = linear_backward(dy, x, w, y, activation=act)
+    rdx, rdw, rdb = ref.linear_backward(dy, x, w, y, activation=act)
+    ady = np.abs(dy).astype(np.float64)
+    assert_close(dx, rdx, ady @ np.abs(w), m)
+    assert_close(dw, rdw, ady.T @ np.abs(x), n)
+    assert_close(db, rdb, ady.sum(axis=0), n)
+
+
+@given(nb=st.integers(1, 5), m=dims, k=st.integers(1, 80), n=dims, beta=st.sampled_from([0.0, 0.5]),
+       seed=st.integers(0, 99))
+def test_batch_reduce_gemm_matches_reference(nb, m, k, n, beta, seed):
+    rng = np.random.default_rng(seed)
+    a, b, c = arrays(rng, nb, m, k), arrays(rng, nb, k, n), arrays(rng, m, n)
+    got = batch_reduce_gemm(a, b, c.copy(), alpha=2.0, beta=beta)
+    want = ref.batch_reduce_gemm(a, b, c, alpha=2.0, beta=beta)
+    scale = 2 * np.einsum("imk,ikn->mn", np.abs(a).astype(np.float64), np.abs(b)) + beta * np.abs(c)
+    assert_close(got, want, scale, nb * k)
+
+
+def test_views_and_layouts_are_accepted():
+    rng = np.random.default_rng(1)
+    a = arrays(rng, 40, 60)
+    b = arrays(rng, 30, 60)
+    want = a.astype(np.float64) @ b.T
+    # an F-ordered operand flips the transposition flag instead of copying; a strided view is copied
+    np.testing.assert_allclose(gemm(a, np.asfortranarray(b.T)), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gemm(a[:, ::2], b[:, ::2].T), a[:, ::2].astype(np.float64) @ b[:, ::2].T,
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(linear_forward(a[::2], b), want[::2], rtol=1e-4, atol=1e-4)
+
+
+def test_empty_dimensions():
+    z = np.zeros((0, 5), np.float32)
+    assert gemm(z, np.ones((5, 3), np.float32)).shape == (0, 3)
+    out = gemm(np.ones((4, 0), np.float32), np.ones((0, 3), np.float32))
+    np.testing.assert_array_equal(out, np.zeros((4, 3)))
+    y = linear_forward(np.ones((4, 0), np.float32), np.ones((3, 0), np.float32), np.full(3, -1, np.float32),
+                       activation="relu")
+    np.testing.assert_array_equal(y, np.zeros((4, 3)))
+    dx, dw, db = linear_backward(np.ones((0, 3), np.float32), np.ones((0, 2), np.float32),
+                                 np.ones((3, 2), np.float32))
+    assert dx.shape == (0, 2) and (dw == 0).all() and (db == 0).all()
+
+
+def test_nan_and_inf_propagate():
+    rng = np.random.default_rng(2)
+    x, w, b = arrays(rng, 20, 50), arrays(rng, 40, 50), arrays(rng, 40)
+    x[3, 7] = np.nan
+    x[5, 1] = np.inf
+    y = linear_forward(x, w, b, activation="relu")
+    assert np.isnan(y[3]).all()  # relu(NaN) stays NaN
+    want = ref.linear_forward(x, w, b, activation="relu")
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(y), np.isinf(want))
+    ok = np.isfinite(want)
+    np.testing.assert_allclose(y[ok], want[ok], rtol=1e-4, atol=1e-4)
+
+
+def test_relu_mask_zeroes_nan_gradients_where_inactive():
+    x, w = np.ones((2, 3), np.float32), np.ones((2, 3), np.float32)
+    y = np.array([[1.0, 0.0], [0.0, 2.0]], np.float32)
+    dy = np.array([[1.0, np.nan], [np.inf, 3.0]], np.float32)  # non-finite only where y <= 0
+    dx, dw, db = linear_backward(dy, x, w, y, activation="relu")
+    np.testing.assert_array_equal(db, [1.0, 3.0])
+    np.testing.assert_array_equal(dx, [[1, 1, 1], [3, 3, 3]])
+    np.testing.assert_array_equal(dw, [[1, 1, 1], [3, 3, 3]])
+
+
+def test_parallel_results_are_deterministic_across_thread_counts():
+    rng = np.random.default_rng(3)
+    x, w, b = arrays(rng, 700, 333), arrays(rng, 130, 333), arrays(rng, 130)
+    dy = arrays(rng, 700, 130)
+    before = numba.get_num_threads()
+    try:
+        runs = []
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}) * 2:
+            numba.set_num_threads(threads)
+            y = linear_forward(x, w, b, activation="relu")
+            runs.append((y, *linear_backward(dy, x, w, y, activation="relu")))
+    finally:
+        numba.set_num_threads(before)
+    for other in runs[1:]:
+        for got, first in zip(other, runs[0]):
+            np.testing.assert_array_equal(got, first)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_lower_isa_paths(monkeypatch, isa):
+    if isa == "avx2" and host_target().detected_isa not in ("avx2", "avx512"):
+        pytest.skip("host has no AVX2")
+    monkeypatch.setenv("JITKERN_ISA", isa)
+    assert G.tile_shape()[2] == (8 if isa == "avx2" else 1)
+    rng = np.random.default_rng(4)
+    x, w, b = arrays(rng, 67, 129), arrays(rng, 45, 129), arrays(rng, 45)
+    y = linear_forward(x, w, b, activation="relu")
+    assert_close(y, ref.linear_forward(x, w, b, activation="relu"),
+                 np.abs(x).astype(np.float64) @ np.abs(w).T + np.abs(b), 129)
+    dy = arrays(rng, 67, 45)
+    for got, want in zip(linear_backward(dy, x, w, y, activation="relu"),
+                         ref.linear_backward(dy, x, w, y, activation="relu")):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_validation_names_the_argument():
+    f32 = np.ones((4, 3), np.float32)
+    with pytest.raises(TypeError, match="a must have dtype float32"):
+        gemm(f32.astype(np.float64), f32.T)
+    with pytest.raises(TypeError, match="b must be a numpy.ndarray"):
+        gemm(f32, [[1.0]])
+    with pytest.raises(ValueError, match="a must be 2-D"):
+        gemm(np.ones(3, np.float32), f32)
+    with pytest.raises(ValueError, match="inner dimensions"):
+        gemm(f32, f32)
+    with pytest.raises(ValueError, match="out must have shape"):
+        gemm(f32, f32.T, np.empty((3, 3), np.float32))
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
+        gemm(f32, f32.T, np.empty((4, 8), np.float32)[:, ::2])
+    with pytest.raises(TypeError, match="alpha"):
+        gemm(f32, f32.T, alpha="x")
+    with pytest.raises(ValueError, match="w must have shape"):
+        linear_forward(f32, np.ones((2, 5), np.float32))
+    with pytest.raises(ValueError, match="b must have shape"):
+        linear_forward(f32, f32, np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="activation"):
+        linear_forward(f32, f32, activation="tanh")
+    with pytest.raises(ValueError, match="y .*required"):
+        linear_backward(np.ones((4, 4), np.float32), f32, f32, activation="relu")
+    with pytest.raises(ValueError, match="x must have 4 rows"):
+        linear_backward(np.ones((4, 4), np.float32), np.ones((5, 3), np.float32), f32)
+    with pytest.raises(ValueError, match="b must have shape"):
+        batch_reduce_gemm(np.ones((2, 3, 4), np.float32), np.ones((3, 4, 5), np.float32))
+    with pytest.raises(ValueError, match="a must be 3-D"):
+        batch_reduce_gemm(f32, np.ones((2, 3, 4), np.float32))
