@@ -16,6 +16,7 @@ LLVM keeps the accumulators in registers. Kernels take F and D as literals for t
 from __future__ import annotations
 
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -417,7 +418,8 @@ def _features(x, ly):
 
 
 @functools.lru_cache(maxsize=None)
-def _pool(workers):
+def _pool(workers, pid):
+    # keyed by pid: a forked child must not submit to its parent's (absent) worker threads
     return ThreadPoolExecutor(workers, thread_name_prefix="jitkern-interaction")
 
 
@@ -430,7 +432,7 @@ def _over_batch(kernel, B, *args):
     """
     n = max(1, min(numba.get_num_threads(), B // _MIN_PER_THREAD))
     cuts = [B * k // n for k in range(n + 1)]
-    futures = [_pool(n - 1).submit(kernel, cuts[k], cuts[k + 1], *args) for k in range(1, n)]
+    futures = [_pool(n - 1, os.getpid()).submit(kernel, cuts[k], cuts[k + 1], *args) for k in range(1, n)]
     kernel(0, cuts[1], *args)
     for f in futures:
         f.result()
