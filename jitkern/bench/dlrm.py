@@ -11,7 +11,9 @@ import argparse
 import gc
 import itertools
 import os
+import statistics
 import sys
+import time
 
 # idle OpenMP workers sleep rather than spin (why: jitkern/dlrm/cli.py); for both implementations
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -20,7 +22,7 @@ import numpy as np  # noqa: E402
 
 from ..dlrm.model import DLRM, StageTimer  # noqa: E402
 from ..dlrm.synth import random_batch
-from .common import blas_description, do_bench, print_table, set_threads, torch_or_none
+from .common import blas_description, print_table, set_threads, torch_or_none
 
 KAGGLE_TABLES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
                  14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
@@ -137,6 +139,13 @@ def torch_step_fn(torch, model: DLRM, batches):
 # --------------------------------------------------------------------------- main
 
 
+def _spread(times) -> str:
+    """Half the 10-90 percentile range over the median, like common.Timing.spread."""
+    t = sorted(times)
+    q = lambda f: t[min(len(t) - 1, int(f * len(t)))]  # noqa: E731
+    return f"±{(q(0.9) - q(0.1)) / 2 / statistics.median(t) * 100:.0f}%"
+
+
 def make_batches(cfg, batch_size, n, seed=0):
     rs = np.random.RandomState(seed)
     return [random_batch(rs, cfg["sizes"], cfg["bottom"][0], batch_size, cfg["lookups"], True)
@@ -174,7 +183,8 @@ def main(argv=None) -> int:
     def jk_step():
         b = next(it)
         model.train_step(b.dense, b.offsets, b.indices, b.labels, LR)
-    jk = do_bench(jk_step, warmup=2, min_reps=args.reps, min_time=0.0)
+    for _ in range(2):                       # compile / first-touch warmup, inside the memory window
+        jk_step()
     peak = peak_rss_bytes() - base
     pbytes = model.parameter_bytes()
     if args.profile:
@@ -185,19 +195,27 @@ def main(argv=None) -> int:
         print_table(["jitkern stage", "ms/step"], rows)
         model.timer = StageTimer()
 
-    rows = [["jitkern", f"{jk.median * 1e3:.1f}", jk.spread(), f"{args.batch_size / jk.median:,.0f}"]]
+    steps = {"jitkern": jk_step}
     torch = None if args.no_torch else torch_or_none()
     if torch is not None:
         torch.set_num_threads(args.threads)
-        step = torch_step_fn(torch, model, batches)
-        del model
-        gc.collect()
-        tt = do_bench(step, warmup=2, min_reps=args.reps, min_time=0.0)
-        rows.append([f"torch {torch.__version__}", f"{tt.median * 1e3:.1f}", tt.spread(),
-                     f"{args.batch_size / tt.median:,.0f}"])
+        steps[f"torch {torch.__version__}"] = torch_step_fn(torch, model, batches)
+        for _ in range(2):
+            steps[f"torch {torch.__version__}"]()
+    # alternate the implementations step by step: a load change on a shared machine hits both alike
+    times = {name: [] for name in steps}
+    for _ in range(args.reps):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    rows = [[name, f"{med[name] * 1e3:.1f}", _spread(times[name]), f"{args.batch_size / med[name]:,.0f}"]
+            for name in steps]
     print_table(["implementation", "ms/iter", "spread", "samples/s"], rows)
     if torch is not None:
-        print(f"jitkern / torch samples/s: {tt.median / jk.median:.2f}x")
+        tname = f"torch {torch.__version__}"
+        print(f"jitkern / torch samples/s: {med[tname] / med['jitkern']:.2f}x")
     how = "" if exact_peak else " (process peak: an upper bound)"
     print(f"jitkern peak memory over the process before the model: {peak / 2**20:,.0f} MiB = "
           f"{peak / pbytes:.2f}x its {pbytes / 2**20:,.0f} MiB of parameters{how}")
