@@ -268,6 +268,35 @@ def test_cli_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "c.png").exists()
 
 
+def _criteo_dir(tmp_path, bad_row=None):
+    """A tiny preprocessed Criteo directory: 400 train rows, 100 test, 100 val; ids < 7."""
+    from jitkern.dlrm.data import write_preprocessed
+
+    rng = np.random.default_rng(0)
+    sparse = rng.integers(0, 7, (600, 26)).astype(np.int32)
+    if bad_row is not None:
+        sparse[bad_row, 3] = 9                                   # beyond its table's 7 rows
+    dense = rng.random((600, 13), dtype=np.float32)
+    labels = (rng.random(600) < 0.3).astype(np.float32)
+    return str(write_preprocessed(tmp_path / "criteo", dense, sparse, labels, [7] * 26, [400, 200]))
+
+
+CRITEO_CLI = ["--data-generation", "dataset", "--arch-sparse-feature-size", "8", "--arch-mlp-bot", "13-8",
+              "--arch-mlp-top", "4-1", "--mini-batch-size", "64", "--threads", "1", "--progress", "off",
+              "--num-batches", "0"]
+
+
+def test_cli_trains_on_a_preprocessed_dataset(tmp_path, capsys):
+    d = _criteo_dir(tmp_path)
+    assert main(CRITEO_CLI + ["--processed-data-file", d, "--max-ind-range", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "7 batches of 64" in out and "(100 samples)" in out and "done: 7 iterations, 400 samples" in out
+    bad = _criteo_dir(tmp_path / "bad", bad_row=70)
+    assert main(CRITEO_CLI + ["--processed-data-file", bad, "--data-randomize", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "batch 1 of epoch 0: table 3: index 9 of sample 6" in err, err
+
+
 def test_cli_default_run():
     """The README's main command: no flags, finishes, reports loss, AUC and samples/s."""
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "dlrm_numba.py")], capture_output=True,
