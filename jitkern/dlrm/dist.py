@@ -479,8 +479,13 @@ class DistributedDLRM(_model.DLRM):
                 _model._into(out, ops.embedding_bag_forward(self.emb[t], idx, off, out=out))
 
     def _post_grads(self, pending, arrays, final=False):
-        """Queue gradient arrays; post an allreduce whenever the queue holds a bucket's worth."""
-        pending.extend(arrays)
+        """Allreduce gradients as they appear: a bucket's worth or more alone and in place (no
+        packing copy), smaller ones packed together until they fill a bucket."""
+        for a in arrays:
+            if a.nbytes >= BUCKET_BYTES:
+                self.exchange.iallreduce("allreduce_grads", [a])
+            else:
+                pending.append(a)
         if pending and (final or sum(a.nbytes for a in pending) >= BUCKET_BYTES):
             self.exchange.iallreduce("allreduce_grads", list(pending))
             pending.clear()
