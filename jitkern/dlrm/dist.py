@@ -19,7 +19,7 @@ from . import model as _model
 from .placement import REPLICATE_BYTES, REPLICATED, batch_slices, place_tables
 
 # Environment variables that launchers set for every rank, and that hold the world size.
-_WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS")
+_WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
 
 
 def comm_from_env():
@@ -28,7 +28,7 @@ def comm_from_env():
     Looks at the launcher's environment first so that a plain `python script.py` never imports
     mpi4py (importing mpi4py.MPI initialises MPI).
     """
-    for var in _WORLD_SIZE_VARS[:3]:
+    for var in _WORLD_SIZE_VARS:
         value = os.environ.get(var)
         if value:
             try:
