@@ -4,15 +4,16 @@ Layouts follow torch.nn.functional.embedding_bag: weight (R, D) float32 (or a Sp
 flat indices (nnz,) int32/int64, offsets (B,) int64 bag starts (or (B+1,) with
 include_last_offset=True); bag b is indices[offsets[b]:offsets[b+1]], the last runs to nnz.
 
-Forward: parallel over bags; the row loop is specialised for common widths D (a compile-time
-constant lets LLVM unroll it into whole vectors) with a generic runtime-D kernel otherwise, and
-rows PREFETCH positions ahead are prefetched, since random row reads are latency-bound.
+Forward: parallel over chunks of bags; for common widths D (SPECIALISED_D) the row loop is one
+<D x float> operation on a register-resident accumulator, other widths run a generic runtime-D
+kernel; rows 16-32 entries ahead are prefetched, since random row reads are latency-bound.
 
 Backward and the fused updates share one plan: a stable LSD radix sort of the (row, position)
-pairs groups duplicates, the sorted groups are cut into one contiguous range per thread (row
-ownership: a thread owns every occurrence of its rows, so no atomics), and each thread sums
-a row's gradient once, in position order, then writes/updates that row once ("coalesce, then
-update"). The result does not depend on the thread count, let alone on timing.
+pairs groups duplicates, and the sorted groups are cut into up to _CHUNKS contiguous parts, i.e.
+disjoint row ranges, which prange hands to the threads (row ownership: one thread applies every
+occurrence of its rows, so no atomics). A row's gradient is summed once, in position order, then
+the row is written/updated once ("coalesce, then update"), so results are bit-identical run to
+run and do not even depend on the thread count.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..codegen.prefetch import prefetch, prefetch_write
 from .optim import SplitBF16Table, as_float32, as_uint32, widen
 
 SPECIALISED_D = (16, 32, 64, 128)  # widths that get a compile-time-D kernel
-PREFETCH = 16                      # rows (forward) / row groups (updates) prefetched ahead
+UPDATE_PREFETCH = 16               # row groups the updates prefetch (for writing) ahead
 _RADIX_BITS = 12                   # digit width of the radix sort (4096-entry histogram)
 _CHUNKS = 64                       # work units per call: bag chunks (forward), row-group parts (updates)
 _MODES = ("sum", "mean")
@@ -185,7 +186,7 @@ def _as_index_array(name, a):
         raise TypeError(f"{name} must have dtype int32 or int64, got {a.dtype}")
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    return a if a.flags.c_contiguous and a.flags.aligned else np.array(a, order="C")
 
 
 def _as_float_array(name, a, shape):
@@ -193,7 +194,7 @@ def _as_float_array(name, a, shape):
         raise TypeError(f"{name} must be a float32 numpy array, got {getattr(a, 'dtype', type(a).__name__)}")
     if a.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+    return a if a.flags.c_contiguous and a.flags.aligned else np.array(a, order="C")
 
 
 def _check_table(weight, name="weight", *, writeable=False, bf16_ok=True):
@@ -210,8 +211,8 @@ def _check_table(weight, name="weight", *, writeable=False, bf16_ok=True):
                         f"got {getattr(weight, 'dtype', type(weight).__name__)}")
     if weight.ndim != 2:
         raise ValueError(f"{name} must be 2-D (R, D), got shape {weight.shape}")
-    if not weight.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
+    if not (weight.flags.c_contiguous and weight.flags.aligned):
+        raise ValueError(f"{name} must be C-contiguous and aligned")
     if writeable and not weight.flags.writeable:
         raise ValueError(f"{name} must be writeable (updated in place)")
     return weight, False
@@ -263,7 +264,7 @@ def _forward_kernel(dclass, bf16, pf):
 
 @functools.lru_cache(maxsize=None)
 def _update_kernel(dclass, kind):
-    return get_kernel(KernelSpec.make("embedding_bag_update", D=dclass, pf=PREFETCH, kind=kind))
+    return get_kernel(KernelSpec.make("embedding_bag_update", D=dclass, pf=UPDATE_PREFETCH, kind=kind))
 
 
 def _d_class(d: int) -> int:
@@ -363,8 +364,9 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
     else:
         if not isinstance(out, np.ndarray) or out.dtype != np.float32:
             raise TypeError(f"out must be a float32 ndarray, got {getattr(out, 'dtype', type(out).__name__)}")
-        if out.shape != (nbags, D) or not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"out must be a writeable C-contiguous ({nbags}, {D}) array, got shape {out.shape}")
+        if out.shape != (nbags, D) or not (out.flags.c_contiguous and out.flags.aligned and out.flags.writeable):
+            raise ValueError(f"out must be a writeable aligned C-contiguous ({nbags}, {D}) array, "
+                             f"got shape {out.shape}")
     kern = _forward_kernel(_d_class(D), bf16, _prefetch_distance(D * (2 if bf16 else 4)))
     # contiguous chunks of bags, spread over the threads by prange (independent of the thread count)
     code, pos, val = kern(w, indices, offsets, psw, mean, bool(include_last_offset), min(_CHUNKS, nbags), out)
@@ -377,19 +379,20 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
 
 
 @jit()
-def _plan(indices, offsets, nbags, num_rows, last, mean, nparts):
+def _plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts):
     """Sort (row, position) pairs by row (stable LSD radix sort) and cut the groups of equal rows
     into nparts contiguous ranges of about equal length.
 
-    Returns the (code, position, value) of _check_bags, then rows (nnz,) sorted, pos (nnz,) positions in that order, bag_of (nnz,) bag of each
-    position, inv_len (B,) bag scale (1/size for mean), group (U + 1,) start of each group of
-    equal rows, parts (nparts + 1,) group cuts.
+    Returns the (code, position, value) of _check_bags, then in sorted order rows (nnz,), the bag
+    (nnz,) and the scale (nnz,) float32 (per-sample weight / bag size for mean) of each entry, so
+    the update reads them sequentially, then group (U + 1,) the start of each group of equal
+    rows and parts (nparts + 1,) the group cuts.
     """
     nnz = indices.shape[0]
     code, bad, value = _check_bags(indices, offsets, nbags, num_rows, last)
     if code:
         none = np.empty(0, np.int64)
-        return (code, bad, value), none, none, none, np.empty(0, np.float32), none, none
+        return (code, bad, value), none, none, np.empty(0, np.float32), none, none
     bag_of = np.empty(nnz, np.int64)
     inv_len = np.ones(nbags, np.float32)
     for b in range(nbags):
@@ -442,7 +445,14 @@ def _plan(indices, offsets, nbags, num_rows, last, mean, nparts):
     for t in range(nparts + 1):
         parts[t] = np.searchsorted(group, t * nnz // nparts)  # first group starting at or after the cut
     parts[nparts] = ngroups
-    return (code, bad, value), rows, pos, bag_of, inv_len, group, parts
+    sbag = np.empty(nnz, np.int64)
+    sscale = np.empty(nnz, np.float32)
+    has_psw = psw.shape[0] > 0
+    for k in range(nnz):
+        j = pos[k]
+        sbag[k] = bag_of[j]
+        sscale[k] = (psw[j] if has_psw else np.float32(1.0)) * inv_len[bag_of[j]]
+    return (code, bad, value), rows, sbag, sscale, group, parts
 
 
 @kernel_factory("embedding_bag_update")
@@ -452,11 +462,10 @@ def _update_factory(spec):
     GRAD, SGD, BF16, ADAGRAD = (kind == k for k in _UPDATES)
 
     @jit(parallel=True, fastmath=frozenset())  # strict IEEE: bf16 and fp32 SGD round identically
-    def update(rows, pos, bag_of, group, parts, dout, psw, inv_len, lr, eps, table, lo, state, drows):
+    def update(rows, sbag, sscale, group, parts, dout, lr, eps, table, lo, state, drows):
         # table: (R, D) float32 weight, or bf16 hi bits with lo the low halves; state: (R,) Adagrad;
-        # drows: (U, D) output of kind "grad". Thread t owns the row groups parts[t]:parts[t+1].
+        # drows: (U, D) output of kind "grad". Part t (one thread's) owns the row groups parts[t]:parts[t+1].
         D = DC if DC else dout.shape[1]
-        has_psw = psw.shape[0] > 0
         ngroups = group.shape[0] - 1
         for t in prange(parts.shape[0] - 1):
             acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
@@ -468,9 +477,7 @@ def _update_factory(spec):
                         _prefetch_row(lo, rows[group[g + PF]], D * ITEM, True)
                 # the coalesced gradient of this row: its occurrences in position order
                 for k in range(group[g], group[g + 1]):
-                    j = pos[k]
-                    sc = (psw[j] if has_psw else np.float32(1.0)) * inv_len[bag_of[j]]
-                    _madd_row(acc, 0, dout, bag_of[j], sc, D, DC, k == group[g])
+                    _madd_row(acc, 0, dout, sbag[k], sscale[k], D, DC, k == group[g])
                 r = rows[group[g]]
                 if GRAD:
                     _madd_row(drows, g, acc, 0, np.float32(1.0), D, DC, True)
@@ -504,15 +511,15 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
                                                        include_last_offset)
     dout = _as_float_array("dout", dout, (nbags, D))
     # row-group parts spread over the threads by prange: ownership and results do not depend on the thread count
-    err, rows, pos, bag_of, inv_len, group, parts = _plan(
-        indices, offsets, nbags, num_rows, bool(include_last_offset), mean, max(1, min(_CHUNKS, indices.shape[0])))
+    err, rows, sbag, sscale, group, parts = _plan(indices, offsets, psw, nbags, num_rows, bool(include_last_offset),
+                                                  mean, max(1, min(_CHUNKS, indices.shape[0])))
     if err[0]:
         _raise_bag_error(*err, table_name, num_rows, indices.shape[0])
     ngroups = group.shape[0] - 1
     drows = np.empty((ngroups, D), np.float32) if kind == "grad" else _NO_ROWS
     if ngroups and D:
         _update_kernel(_d_class(D), kind)(
-            rows, pos, bag_of, group, parts, dout, psw, inv_len, np.float32(lr), np.float64(eps),
+            rows, sbag, sscale, group, parts, dout, np.float32(lr), np.float64(eps),
             drows if table is None else table, _NO_LO if lo is None else lo, _NO_STATE if state is None else state,
             drows)
     return (rows[group[:-1]], drows) if kind == "grad" else None

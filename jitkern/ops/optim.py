@@ -117,8 +117,8 @@ class SplitBF16Table:
         for name, a in (("hi", hi), ("lo", lo)):
             if not isinstance(a, np.ndarray) or a.dtype != np.uint16:
                 raise TypeError(f"{name} must be a uint16 ndarray, got {getattr(a, 'dtype', type(a))}")
-            if a.ndim != 2 or not a.flags.c_contiguous:
-                raise ValueError(f"{name} must be a C-contiguous 2-D array, got shape {a.shape}")
+            if a.ndim != 2 or not (a.flags.c_contiguous and a.flags.aligned):
+                raise ValueError(f"{name} must be an aligned C-contiguous 2-D array, got shape {a.shape}")
         if hi.shape != lo.shape:
             raise ValueError(f"hi shape {hi.shape} and lo shape {lo.shape} differ")
         self.hi, self.lo = hi, lo
