@@ -133,6 +133,7 @@ def torch_step_fn(torch, model: DLRM, batches):
         loss = loss_fn(net(dense, offsets, indices), labels)
         loss.backward()
         opt.step()
+        return float(loss)
     return step
 
 
@@ -199,9 +200,11 @@ def main(argv=None) -> int:
     torch = None if args.no_torch else torch_or_none()
     if torch is not None:
         torch.set_num_threads(args.threads)
-        steps[f"torch {torch.__version__}"] = torch_step_fn(torch, model, batches)
-        for _ in range(2):
-            steps[f"torch {torch.__version__}"]()
+        tstep = steps[f"torch {torch.__version__}"] = torch_step_fn(torch, model, batches)
+        b = batches[0]                       # torch's first step is on batch 0 too, from the same weights
+        jk_loss, t_loss = model.train_step(b.dense, b.offsets, b.indices, b.labels, LR), tstep()
+        print(f"same weights and batch, one step: loss jitkern {jk_loss:.6f}, torch {t_loss:.6f}")
+        tstep()
     # alternate the implementations step by step: a load change on a shared machine hits both alike
     times = {name: [] for name in steps}
     for _ in range(args.reps):
