@@ -2,8 +2,6 @@
 import numpy as np
 import pytest
 
-from jitkern import ops
-from jitkern.dlrm import model as model_mod
 from jitkern.dlrm.model import DLRM
 from jitkern.ops import reference as ref
 
@@ -276,7 +274,6 @@ def test_communicator_without_dist_is_a_clear_error(monkeypatch):
         DLRM(SIZES, D, BOTTOM, TOP, comm=object())
 
 
-@pytest.mark.skipif(not hasattr(ops, "SplitBF16Table"), reason="needs ops.SplitBF16Table")
 def test_bf16_tables_read_bf16_and_update_exact_fp32():
     m32 = DLRM(SIZES, D, BOTTOM, TOP, seed=7)
     m16 = DLRM(SIZES, D, BOTTOM, TOP, seed=7, embedding_precision="bf16")

@@ -69,10 +69,6 @@ def interaction_width(num_tables: int, dim: int, interaction: str, self_interact
     return dim + (f * (f + 1) // 2 if self_interaction else f * (f - 1) // 2)
 
 
-def _split_table_class():
-    return getattr(ops, "SplitBF16Table", None)
-
-
 class _Buffers:
     """Activations of one batch size, reused by every step with that size."""
 
@@ -129,9 +125,6 @@ class DLRM:
             raise ValueError(f"interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
         if self.embedding_precision not in PRECISIONS:
             raise ValueError(f"embedding_precision must be one of {PRECISIONS}, got {self.embedding_precision!r}")
-        if self.embedding_precision == "bf16" and _split_table_class() is None:
-            raise NotImplementedError("embedding_precision='bf16' needs jitkern.ops.SplitBF16Table, "
-                                      "which this installation lacks")
         if not self.embedding_sizes:
             raise ValueError("embedding_sizes must name at least one table")
         for t, r in enumerate(self.embedding_sizes):
@@ -162,7 +155,7 @@ class DLRM:
             r1 = min(rows, r0 + _INIT_CHUNK)
             w[r0:r1] = rs.uniform(low=-bound, high=bound, size=(r1 - r0, self.embedding_dim))
         if self.embedding_precision == "bf16":
-            return _split_table_class().from_float32(w)
+            return ops.SplitBF16Table.from_float32(w)
         return w
 
     @staticmethod
@@ -227,7 +220,7 @@ class DLRM:
             if isinstance(self.emb[t], np.ndarray):
                 np.copyto(self.emb[t], src)
             else:
-                self.emb[t] = _split_table_class().from_float32(src)
+                self.emb[t] = ops.SplitBF16Table.from_float32(src)
         for prefix, ws, bs in (("bot", self.bot_w, self.bot_b), ("top", self.top_w, self.top_b)):
             for l in range(len(ws)):
                 np.copyto(ws[l], sd[f"{prefix}.{l}.weight"])
