@@ -206,6 +206,25 @@ def test_checkpoint_errors_leave_the_model_unchanged(tmp_path):
     _states_equal(other, m)
 
 
+class _RecordingModel(DLRM):
+    """A DLRM that records the learning rate of every step."""
+
+    def train_step(self, dense, offsets, indices, labels, lr, **kw):
+        self.lrs = getattr(self, "lrs", []) + [lr]
+        return super().train_step(dense, offsets, indices, labels, lr, **kw)
+
+
+def test_trainer_follows_schedule_and_auc_threshold():
+    m = _RecordingModel(**ARCH, seed=0)
+    tr = _trainer(m, 5, lr=0.2, warmup_steps=2, decay_start_step=3, decay_steps=2, nepochs=2)
+    tr.run()
+    assert m.lrs == [tr.schedule(s) for s in range(10)] and m.lrs[0] == pytest.approx(0.1)
+    m = _RecordingModel(**ARCH, seed=0)
+    tr = _trainer(m, 50, test_freq=2, mlperf_auc_threshold=0.01)     # any AUC reaches it
+    state = tr.run()
+    assert state.step == 2 and len(m.lrs) == 2
+
+
 class _BadSource:
     """Two good batches, then one with an index out of range for table 2."""
 
