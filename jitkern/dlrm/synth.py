@@ -38,17 +38,21 @@ def random_sparse(rs: np.random.RandomState, rows: int, n: int, k: int, fixed: b
         bag_of = np.repeat(np.arange(n), k)
     else:
         m = min(rows, k)
-        state = rs.get_state()
-        ahead = rs.random_sample(n * (m + 1))           # enough for any bag sizes
-        sizes_at = np.round(np.maximum(1.0, ahead * m)).astype(np.int64).tolist()
-        starts, pos = [], 0
-        for _ in range(n):                             # a bag's size decides where the next begins
-            starts.append(pos)
-            pos += 1 + sizes_at[pos]
-        rs.set_state(state)
-        draws = rs.random_sample(pos)                  # the same numbers, leaving rs where the reference would
-        starts = np.asarray(starts, np.int64)
-        sizes = np.asarray([sizes_at[s] for s in starts.tolist()], np.int64)
+        if m == 1:                                     # every bag has one index: r * 1 < 1 rounds up to 1
+            draws = rs.random_sample(2 * n)
+            starts, sizes = np.arange(0, 2 * n, 2), np.ones(n, np.int64)
+        else:
+            state = rs.get_state()
+            ahead = rs.random_sample(n * (m + 1))       # enough for any bag sizes
+            sizes_at = np.round(np.maximum(1.0, ahead * m)).astype(np.int64).tolist()
+            starts, pos = [], 0
+            for _ in range(n):                         # a bag's size decides where the next begins
+                starts.append(pos)
+                pos += 1 + sizes_at[pos]
+            rs.set_state(state)
+            draws = rs.random_sample(pos)              # the same numbers, leaving rs where the reference would
+            starts = np.asarray(starts, np.int64)
+            sizes = np.asarray([sizes_at[s] for s in starts.tolist()], np.int64)
         bag_of = np.repeat(np.arange(n), sizes)
         first = np.repeat(starts + 1, sizes)
         within = np.arange(len(bag_of)) - np.repeat(_offsets_from_sizes(sizes), sizes)
