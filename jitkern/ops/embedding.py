@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import threading
 
 import numpy as np
 from llvmlite import ir
@@ -379,21 +380,22 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
 
 
 @jit()
-def _plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts):
+def _plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts, work, fwork):
     """Sort (row, position) pairs by row (stable LSD radix sort) and cut the groups of equal rows
     into nparts contiguous ranges of about equal length.
 
     Returns the (code, position, value) of _check_bags, then in sorted order rows (nnz,), the bag
     (nnz,) and the scale (nnz,) float32 (per-sample weight / bag size for mean) of each entry, so
     the update reads them sequentially, then group (U + 1,) the start of each group of equal
-    rows and parts (nparts + 1,) the group cuts.
+    rows and parts (nparts + 1,) the group cuts. work (7, nnz + 1) int64 and fwork (nnz + 1,)
+    float32 are scratch the results are views of.
     """
     nnz = indices.shape[0]
     code, bad, value = _check_bags(indices, offsets, nbags, num_rows, last)
     if code:
         none = np.empty(0, np.int64)
         return (code, bad, value), none, none, np.empty(0, np.float32), none, none
-    bag_of = np.empty(nnz, np.int64)
+    bag_of = work[0, :nnz]
     inv_len = np.ones(nbags, np.float32)
     for b in range(nbags):
         s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
@@ -401,52 +403,55 @@ def _plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts):
             inv_len[b] = np.float32(1.0) / np.float32(e - s)
         for j in range(s, e):
             bag_of[j] = b
-    rows = np.empty(nnz, np.int64)
-    pos = np.empty(nnz, np.int64)
-    for j in range(nnz):
-        rows[j] = indices[j]
-        pos[j] = j
     nbits = 0
     while (np.int64(1) << nbits) < num_rows:
         nbits += 1
-    if nnz > 1 and nbits > 0:
-        rows2, pos2 = np.empty(nnz, np.int64), np.empty(nnz, np.int64)
-        npass = (nbits + _RADIX_BITS - 1) // _RADIX_BITS
-        digit = (nbits + npass - 1) // npass
-        mask = (np.int64(1) << digit) - 1
-        count = np.empty((np.int64(1) << digit) + 1, np.int64)
+    npass = max(1, (nbits + _RADIX_BITS - 1) // _RADIX_BITS)
+    digit = (nbits + npass - 1) // npass
+    mask = (np.int64(1) << digit) - 1
+    # the histograms of every pass in one read of the indices
+    count = np.zeros((npass, (np.int64(1) << digit) + 1), np.int64)
+    for j in range(nnz):
+        r = np.int64(indices[j])
         for p in range(npass):
-            shift = p * digit
-            count[:] = 0
-            for j in range(nnz):
-                count[((rows[j] >> shift) & mask) + 1] += 1
-            for k in range(1, count.shape[0]):
-                count[k] += count[k - 1]
-            for j in range(nnz):
-                k = (rows[j] >> shift) & mask
-                t = count[k]
-                count[k] = t + 1
-                rows2[t] = rows[j]
-                pos2[t] = pos[j]
-            rows, rows2 = rows2, rows
-            pos, pos2 = pos2, pos
+            count[p, ((r >> (p * digit)) & mask) + 1] += 1
+    for p in range(npass):
+        for k in range(1, count.shape[1]):
+            count[p, k] += count[p, k - 1]
+    # pass 0 scatters straight from the indices, later passes ping-pong
+    rows, pos = work[1, :nnz], work[2, :nnz]
+    for j in range(nnz):
+        r = np.int64(indices[j])
+        k = r & mask
+        t = count[0, k]
+        count[0, k] = t + 1
+        rows[t] = r
+        pos[t] = j
+    rows2, pos2 = work[3, :nnz], work[4, :nnz]
+    for p in range(1, npass):
+        shift = p * digit
+        for j in range(nnz):
+            k = (rows[j] >> shift) & mask
+            t = count[p, k]
+            count[p, k] = t + 1
+            rows2[t] = rows[j]
+            pos2[t] = pos[j]
+        rows, rows2 = rows2, rows
+        pos, pos2 = pos2, pos
+    starts = work[5]
     ngroups = 0
     for j in range(nnz):
         if j == 0 or rows[j] != rows[j - 1]:
+            starts[ngroups] = j
             ngroups += 1
-    group = np.empty(ngroups + 1, np.int64)
-    g = 0
-    for j in range(nnz):
-        if j == 0 or rows[j] != rows[j - 1]:
-            group[g] = j
-            g += 1
-    group[ngroups] = nnz
+    starts[ngroups] = nnz
+    group = starts[:ngroups + 1]
     parts = np.empty(nparts + 1, np.int64)
     for t in range(nparts + 1):
         parts[t] = np.searchsorted(group, t * nnz // nparts)  # first group starting at or after the cut
     parts[nparts] = ngroups
-    sbag = np.empty(nnz, np.int64)
-    sscale = np.empty(nnz, np.float32)
+    sbag = work[6, :nnz]
+    sscale = fwork[:nnz]
     has_psw = psw.shape[0] > 0
     for k in range(nnz):
         j = pos[k]
@@ -500,6 +505,22 @@ def _update_factory(spec):
     return update
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(n):
+    """Per-thread, grow-only scratch for the plan: work (7, n) int64 and fwork (n,) float32.
+
+    Fresh arrays of this size cost more than the whole sort: glibc maps them anew on every call
+    and returns them on free, so each page faults again. Thread-local, so concurrent callers never
+    share it; kernels finish with it before the op returns (results handed out are copies).
+    """
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.shape[0] < 8 * n:
+        buf = _SCRATCH.buf = np.empty(max(8 * n, 2 * (0 if buf is None else buf.shape[0])), np.int64)
+    return buf[:7 * n].reshape(7, n), buf[7 * n:8 * n].view(np.float32)[:n]
+
+
 def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr, eps, mode,
                    per_sample_weights, include_last_offset, table_name):
     """Validate, plan and run one sparse kernel; returns (rows, drows) for kind "grad"."""
@@ -511,8 +532,10 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
                                                        include_last_offset)
     dout = _as_float_array("dout", dout, (nbags, D))
     # row-group parts spread over the threads by prange: ownership and results do not depend on the thread count
+    nnz = indices.shape[0]
+    work, fwork = _scratch(nnz + 1)
     err, rows, sbag, sscale, group, parts = _plan(indices, offsets, psw, nbags, num_rows, bool(include_last_offset),
-                                                  mean, max(1, min(_CHUNKS, indices.shape[0])))
+                                                  mean, max(1, min(_CHUNKS, nnz)), work, fwork)
     if err[0]:
         _raise_bag_error(*err, table_name, num_rows, indices.shape[0])
     ngroups = group.shape[0] - 1
