@@ -21,7 +21,7 @@ from .. import ops
 
 INTERACTIONS = ("dot", "cat")
 PRECISIONS = ("fp32", "bf16")
-_INIT_CHUNK = 1 << 20          # table rows are drawn in chunks: no float64 copy of a whole table
+_INIT_CHUNK = 1 << 16          # table rows drawn per call: no float64 copy of a table; cache-sized
 
 
 def _into(out, result):
