@@ -36,6 +36,14 @@ def _pack_value(a, y, i, j, alpha, mask):
     return v * alpha
 
 
+@jit(inline="always")
+def _relu_bits(ybits):
+    """All ones if the float with these bits is > 0 (not NaN), else 0 -- integer arithmetic only,
+    because a data-dependent branch or compare-and-select here mispredicts on random ReLU masks."""
+    v = np.int64(ybits)
+    return ((0 - v) >> 63) & ((v - 0x7F800001) >> 63)
+
+
 @kernel_factory("gemm")
 def _gemm_factory(spec: KernelSpec):
     # Only the register tile is compile-time: transposition and epilogue pick packing loops and
@@ -83,7 +91,8 @@ def _gemm_factory(spec: KernelSpec):
             biasp[:n] = bias
         cf = c.reshape(m * n)
         aflat = a.reshape(a.size)
-        yflat = y.reshape(y.size)
+        ai = aflat.view(np.int32)  # with mask (linear_backward only) alpha is 1: packing moves bits
+        yi = y.reshape(y.size).view(np.int32)
         nib = (m + mc - 1) // mc
         njb = (n + nc - 1) // nc
         npc = max(1, (k + kc - 1) // kc)
@@ -96,6 +105,7 @@ def _gemm_factory(spec: KernelSpec):
             j0 = jb * nc
             ncb = min(nc, n - j0)
             ap = np.empty(nmp * MR * max(kc, 1), np.float32)
+            api = ap.view(np.int32)
             tile = np.empty(MR * NR, np.float32)
             dbacc = np.zeros(nmp * MR, np.float64)
             if beta != 0.0 and beta != 1.0:
@@ -107,24 +117,34 @@ def _gemm_factory(spec: KernelSpec):
                 kcb = min(kc, k - p0)
                 # pack A[i0:i0+mcb, p0:p0+kcb] as MR-row panels, k-major, zero-padded rows; the
                 # loop order follows a's memory order (rows along k, or columns if ta)
+                nfull = mcb // MR
+                if ta:  # full panels row by row of a: each k reads mcb contiguous floats
+                    for kk in range(kcb):
+                        src = (p0 + kk) * m + i0
+                        for ip in range(nfull):
+                            d = (ip * kcb + kk) * MR
+                            s0 = src + ip * MR
+                            if mask:  # ReLU mask as a bit mask: branch-free, so it vectorises
+                                for r in range(MR):
+                                    api[d + r] = ai[s0 + r] & _relu_bits(yi[s0 + r])
+                            else:
+                                for r in range(MR):
+                                    ap[d + r] = aflat[s0 + r] * alpha
                 for ip in range(nmp):
                     dst = ip * kcb * MR
                     rows = min(MR, i0 + mcb - (i0 + ip * MR))
                     ibase = i0 + ip * MR
-                    if ta and rows == MR:  # the common case: MR contiguous floats per k
-                        for kk in range(kcb):
-                            src = (p0 + kk) * m + ibase
-                            d = dst + kk * MR
-                            if mask:
-                                for r in range(MR):
-                                    ap[d + r] = aflat[src + r] * alpha if yflat[src + r] > 0 else np.float32(0.0)
-                            else:
-                                for r in range(MR):
-                                    ap[d + r] = aflat[src + r] * alpha
+                    if ta and ip < nfull:
+                        pass  # packed above
                     elif ta:
                         for kk in range(kcb):
                             for r in range(rows):
                                 ap[dst + kk * MR + r] = _pack_value(a, y, p0 + kk, ibase + r, alpha, mask)
+                    elif mask:
+                        for r in range(rows):
+                            src = (ibase + r) * k + p0
+                            for kk in range(kcb):
+                                api[dst + kk * MR + r] = ai[src + kk] & _relu_bits(yi[src + kk])
                     else:
                         for r in range(rows):
                             for kk in range(kcb):
