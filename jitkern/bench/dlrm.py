@@ -133,7 +133,7 @@ def torch_step_fn(torch, model: DLRM, batches):
         loss = loss_fn(net(dense, offsets, indices), labels)
         loss.backward()
         opt.step()
-        return float(loss)
+        return loss.item()
     return step
 
 
