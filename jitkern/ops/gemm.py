@@ -79,13 +79,19 @@ def _gemm_factory(spec: KernelSpec):
             p_first = npan - packed
             for kb in prange((k + 63) // 64):
                 for kk in range(kb * 64, min(k, kb * 64 + 64)):
+                    row = kk * n
                     for p in range(p_first, npan):
                         base = ((p - p_first) * k + kk) * NR
-                        width = min(NR, n - p * NR)
-                        for r in range(width):
-                            bp[base + r] = b[kk, p * NR + r]
-                        for r in range(width, NR):
-                            bp[base + r] = 0.0
+                        col = row + p * NR
+                        if (p + 1) * NR <= n:
+                            for r in range(NR):  # constant trip count: a vector copy
+                                bp[base + r] = bflat[col + r]
+                        else:
+                            width = n - p * NR
+                            for r in range(width):
+                                bp[base + r] = bflat[col + r]
+                            for r in range(width, NR):
+                                bp[base + r] = 0.0
         biasp = np.zeros(npan * NR, np.float32)
         if use_bias:
             biasp[:n] = bias
