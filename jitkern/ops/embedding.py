@@ -257,9 +257,10 @@ def _prefetch_distance(row_bytes):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_kernel(dclass, bf16, pf):
+def _forward_kernel(dclass, bf16):
     """get_kernel, memoised here too: its per-call config read costs ~20 us, and the DLRM calls
     these ops once per table per step (JITKERN_DEBUG logs the first choice of each spec only)."""
+    pf = _prefetch_distance(dclass * (2 if bf16 else 4)) if dclass else 16  # one generic kernel per dtype
     return get_kernel(KernelSpec.make("embedding_bag_forward", D=dclass, bf16=bf16, pf=pf))
 
 
@@ -311,12 +312,12 @@ def _prefetch_row(table, r, row_bytes, write):
 
 
 @jit(inline="always")
-def _pool_bag(acc, weight, indices, psw, s, e, nnz, PF, row_bytes, D, DC, weighted):
-    """acc[0] = sum of psw[j] * weight[indices[j]] over j in [s, e), prefetching PF entries ahead."""
+def _pool_bag(acc, weight, indices, psw, s, e, nnz, pf, row_bytes, D, DC, weighted):
+    """acc[0] = sum of psw[j] * weight[indices[j]] over j in [s, e), prefetching pf entries ahead."""
     far = np.uint64(nnz - 1)
     for j in range(s, e):
         u = np.uint64(j)  # validated and non-negative: unsigned indexing skips numba's wraparound code
-        _prefetch_row(weight, indices[min(u + np.uint64(PF), far)], row_bytes, False)
+        _prefetch_row(weight, indices[min(u + np.uint64(pf), far)], row_bytes, False)
         _madd_row(acc, 0, weight, indices[u], psw[u] if weighted else np.float32(1.0), D, DC, j == s)
 
 
@@ -368,7 +369,7 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
         if out.shape != (nbags, D) or not (out.flags.c_contiguous and out.flags.aligned and out.flags.writeable):
             raise ValueError(f"out must be a writeable aligned C-contiguous ({nbags}, {D}) array, "
                              f"got shape {out.shape}")
-    kern = _forward_kernel(_d_class(D), bf16, _prefetch_distance(D * (2 if bf16 else 4)))
+    kern = _forward_kernel(_d_class(D), bf16)
     # contiguous chunks of bags, spread over the threads by prange (independent of the thread count)
     code, pos, val = kern(w, indices, offsets, psw, mean, bool(include_last_offset), min(_CHUNKS, nbags), out)
     if code:
