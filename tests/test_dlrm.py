@@ -6,7 +6,7 @@ from jitkern.dlrm.model import DLRM
 from jitkern.ops import reference as ref
 
 SIZES = [5, 7, 3]          # tiny tables: multi-hot bags hit the same rows often (duplicates)
-D = 8
+D = 16                     # the default run's width: its compiled kernels are shared
 BOTTOM = [3, 12, D]
 TOP = [6, 1]
 B = 9
@@ -254,7 +254,7 @@ def test_bad_input_is_a_clear_error_and_changes_nothing():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(bottom_mlp=[3, 12, 5]), "bottom_mlp output 5 != embedding_dim 8"),
+    (dict(bottom_mlp=[3, 12, 5]), "bottom_mlp output 5 != embedding_dim 16"),
     (dict(top_mlp=[6, 2]), "end in 1 output"),
     (dict(interaction="mul"), "interaction must be one of"),
     (dict(embedding_sizes=[5, 0]), r"embedding_sizes\[1\] \(table 1\)"),

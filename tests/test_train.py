@@ -18,9 +18,9 @@ from jitkern.dlrm.train import (CheckpointError, LRSchedule, TrainOptions, Train
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [10, 20, 40, 80]
-ARCH = dict(embedding_sizes=SIZES, embedding_dim=8, bottom_mlp=[13, 32, 8], top_mlp=[16, 1])
-TINY_CLI = ["--arch-embedding-size", "10-20-40-80", "--arch-sparse-feature-size", "8", "--arch-mlp-bot",
-            "13-32-8", "--arch-mlp-top", "16-1", "--mini-batch-size", "64", "--threads", "1", "--progress", "off"]
+ARCH = dict(embedding_sizes=SIZES, embedding_dim=16, bottom_mlp=[13, 32, 16], top_mlp=[16, 1])
+TINY_CLI = ["--arch-embedding-size", "10-20-40-80", "--arch-sparse-feature-size", "16", "--arch-mlp-bot",
+            "13-32-16", "--arch-mlp-top", "16-1", "--mini-batch-size", "64", "--threads", "1", "--progress", "off"]
 
 
 # --------------------------------------------------------------------------- LR schedule
@@ -252,7 +252,7 @@ def test_bad_batch_names_batch_table_and_sample():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--arch-mlp-bot", "13-32-4"], "bottom_mlp output 4 != embedding_dim 8"),
+    (["--arch-mlp-bot", "13-32-4"], "bottom_mlp output 4 != embedding_dim 16"),
     (["--arch-embedding-size", "10-x"], "--arch-embedding-size must be dash-separated integers"),
     (["--lr-num-warmup-steps", "10", "--lr-decay-start-step", "5", "--lr-num-decay-steps", "2"],
      "must finish before the decay"),
@@ -300,7 +300,7 @@ def _criteo_dir(tmp_path, bad_row=None):
     return str(write_preprocessed(tmp_path / "criteo", dense, sparse, labels, [7] * 26, [400, 200]))
 
 
-CRITEO_CLI = ["--data-generation", "dataset", "--arch-sparse-feature-size", "8", "--arch-mlp-bot", "13-8",
+CRITEO_CLI = ["--data-generation", "dataset", "--arch-sparse-feature-size", "16", "--arch-mlp-bot", "13-16",
               "--arch-mlp-top", "4-1", "--mini-batch-size", "64", "--threads", "1", "--progress", "off",
               "--num-batches", "0"]
 
