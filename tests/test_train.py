@@ -158,16 +158,17 @@ def _states_equal(a, b):
         np.testing.assert_array_equal(x, y, err_msg=k)
 
 
-def test_resume_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_bit_exact(tmp_path, precision):
     sched = dict(warmup_steps=3, decay_start_step=6, decay_steps=5)
-    straight = DLRM(**ARCH, seed=1)
+    straight = DLRM(**ARCH, seed=1, embedding_precision=precision)
     _trainer(straight, 12, **sched).run()
 
     ck = tmp_path / "ck.bin"
-    first = DLRM(**ARCH, seed=1)
+    first = DLRM(**ARCH, seed=1, embedding_precision=precision)
     _trainer(first, 7, ck, test_freq=4, **sched).run()          # saves at 4 and at the end (7)
     assert not [p for p in os.listdir(tmp_path) if p != "ck.bin"]  # no temp files left
-    resumed = DLRM(**ARCH, seed=99)                                 # different init: all comes from the file
+    resumed = DLRM(**ARCH, seed=99, embedding_precision=precision)  # different init: all comes from the file
     state = state_from_meta(load_checkpoint(str(ck), resumed))
     assert state.step == 7
     tr = _trainer(resumed, 12, state=state, **sched)
