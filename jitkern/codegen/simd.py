@@ -16,6 +16,9 @@ code that LLVM lowers (and may auto-vectorise) for any CPU.
 """
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -26,6 +29,10 @@ from .target import VECTOR_WIDTH
 # broadcast A value must fit in the register file (32 zmm / 16 ymm / 32 NEON q registers).
 # "scalar" emits width-1 vectors: plain scalar FMAs that LLVM may still SLP-vectorise.
 TILES = {"avx512": (8, 32), "avx2": (6, 16), "neon": (8, 12), "scalar": (4, 4)}
+
+# numba's disk cache keys a kernel on its own file and closure values only, so drivers that inline
+# fma_tile close over this tag: editing this file then invalidates their cached machine code.
+SOURCE_TAG = int(hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:8], 16)
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)

@@ -19,7 +19,7 @@ import numpy as np
 from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
-from ..codegen.simd import fma_tile, tile_code, tile_for
+from ..codegen.simd import SOURCE_TAG, fma_tile, tile_code, tile_for
 from ..codegen.tune import gemm_blocks
 
 log = logging.getLogger("jitkern")
@@ -51,12 +51,15 @@ def _gemm_factory(spec: KernelSpec):
     # compilation (about 10 s per parallel kernel here) to a single build.
     MR, NR = spec["mr"], spec["nr"]
     CODE = tile_code(MR, NR, spec["vw"])
+    TAG = SOURCE_TAG  # in the closure, so a changed simd.py misses numba's disk cache
 
     @jit(parallel=True)
     def gemm_kernel(a, b, c, bias, y, db, m, n, k, alpha, beta, mc, kc, nc,
                     ta, tb, use_bias, relu, mask, want_db):
         # a: (m, k) or (k, m) if ta; y: like a (ReLU output, if mask); b: (k, n) or (n, k) if tb
         # c: (m, n) C-contiguous; bias: (n,) if use_bias; db: (m,) out, row sums of masked A if want_db
+        if TAG < 0:  # never: only here to put TAG in the closure
+            return
         npan = (n + NR - 1) // NR
         # Pack B into k-major NR-wide panels (panel p at p * k * NR) when tb, or when B's row
         # stride is a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets).
