@@ -61,30 +61,32 @@ def _gemm_factory(spec: KernelSpec):
         if TAG < 0:  # never: only here to put TAG in the closure
             return
         npan = (n + NR - 1) // NR
-        # Pack B into k-major NR-wide panels (panel p at p * k * NR) when tb, or when B's row
+        # Pack B into k-major NR-wide panels (panel p at p * ps) when tb, or when B's row
         # stride is a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets).
         # Otherwise B's rows are already k-major: full panels are read in place (row stride n)
         # and only a ragged last panel is packed, zero-padded, into panel 0 of bp.
         inplace = not tb and n % 512 != 0
         packed = (1 if n % NR else 0) if inplace else npan
-        bp = np.empty(max(packed * k * NR, 1), np.float32)
+        ps = k * NR + 16  # panel stride, one cache line more than needed: panels written side by
+        #                   side would otherwise sit 4 KiB-aliased and collide in L1 sets
+        bp = np.empty(max(packed * ps, 1), np.float32)
         bflat = b.reshape(b.size)
         if tb:  # b rows are C columns: read each along k
             for p in prange(packed):
                 width = min(NR, n - p * NR)
                 for r in range(width):
                     for kk in range(k):
-                        bp[(p * k + kk) * NR + r] = b[p * NR + r, kk]
+                        bp[p * ps + kk * NR + r] = b[p * NR + r, kk]
                 for r in range(width, NR):
                     for kk in range(k):
-                        bp[(p * k + kk) * NR + r] = 0.0
+                        bp[p * ps + kk * NR + r] = 0.0
         elif packed > 0:  # b rows are k: scan them in memory order, scatter to the panels
             p_first = npan - packed
             for kb in prange((k + 63) // 64):
                 for kk in range(kb * 64, min(k, kb * 64 + 64)):
                     row = kk * n
                     for p in range(p_first, npan):
-                        base = ((p - p_first) * k + kk) * NR
+                        base = (p - p_first) * ps + kk * NR
                         col = row + p * NR
                         if (p + 1) * NR <= n:
                             for r in range(NR):  # constant trip count: a vector copy
@@ -171,7 +173,7 @@ def _gemm_factory(spec: KernelSpec):
                     jj = jp * NR
                     nrem = min(NR, n - jj)
                     if not inplace:
-                        bsrc, boff, ldb = bp, (jp * k + p0) * NR, NR
+                        bsrc, boff, ldb = bp, jp * ps + p0 * NR, NR
                     elif nrem < NR:
                         bsrc, boff, ldb = bp, p0 * NR, NR
                     else:
