@@ -37,6 +37,13 @@ def _pack_value(a, y, i, j, alpha, mask):
 
 
 @jit(inline="always")
+def _u(i):
+    """An index as unsigned: numba then skips the negative-index wraparound, whose selects
+    otherwise turn contiguous copy loops into gathers and scatters."""
+    return np.uint64(i)
+
+
+@jit(inline="always")
 def _relu_bits(ybits):
     """All ones if the float with these bits is > 0 (not NaN), else 0 -- integer arithmetic only,
     because a data-dependent branch or compare-and-select here mispredicts on random ReLU masks."""
@@ -76,10 +83,10 @@ def _gemm_factory(spec: KernelSpec):
                 width = min(NR, n - p * NR)
                 for r in range(width):
                     for kk in range(k):
-                        bp[p * ps + kk * NR + r] = b[p * NR + r, kk]
+                        bp[_u(p * ps + kk * NR + r)] = bflat[_u((p * NR + r) * k + kk)]
                 for r in range(width, NR):
                     for kk in range(k):
-                        bp[p * ps + kk * NR + r] = 0.0
+                        bp[_u(p * ps + kk * NR + r)] = 0.0
         elif packed > 0:  # b rows are k: scan them in memory order, scatter to the panels
             p_first = npan - packed
             for kb in prange((k + 63) // 64):
@@ -90,13 +97,13 @@ def _gemm_factory(spec: KernelSpec):
                         col = row + p * NR
                         if (p + 1) * NR <= n:
                             for r in range(NR):  # constant trip count: a vector copy
-                                bp[base + r] = bflat[col + r]
+                                bp[_u(base + r)] = bflat[_u(col + r)]
                         else:
                             width = n - p * NR
                             for r in range(width):
-                                bp[base + r] = bflat[col + r]
+                                bp[_u(base + r)] = bflat[_u(col + r)]
                             for r in range(width, NR):
-                                bp[base + r] = 0.0
+                                bp[_u(base + r)] = 0.0
         biasp = np.zeros(npan * NR, np.float32)
         if use_bias:
             biasp[:n] = bias
@@ -137,10 +144,10 @@ def _gemm_factory(spec: KernelSpec):
                             s0 = src + ip * MR
                             if mask:  # ReLU mask as a bit mask: branch-free, so it vectorises
                                 for r in range(MR):
-                                    api[d + r] = ai[s0 + r] & _relu_bits(yi[s0 + r])
+                                    api[_u(d + r)] = ai[_u(s0 + r)] & _relu_bits(yi[_u(s0 + r)])
                             else:
                                 for r in range(MR):
-                                    ap[d + r] = aflat[s0 + r] * alpha
+                                    ap[_u(d + r)] = aflat[_u(s0 + r)] * alpha
                 for ip in range(nmp):
                     dst = ip * kcb * MR
                     rows = min(MR, i0 + mcb - (i0 + ip * MR))
@@ -150,23 +157,24 @@ def _gemm_factory(spec: KernelSpec):
                     elif ta:
                         for kk in range(kcb):
                             for r in range(rows):
-                                ap[dst + kk * MR + r] = _pack_value(a, y, p0 + kk, ibase + r, alpha, mask)
+                                ap[_u(dst + kk * MR + r)] = _pack_value(a, y, p0 + kk, ibase + r, alpha, mask)
                     elif mask:
                         for r in range(rows):
                             src = (ibase + r) * k + p0
                             for kk in range(kcb):
-                                api[dst + kk * MR + r] = ai[src + kk] & _relu_bits(yi[src + kk])
+                                api[_u(dst + kk * MR + r)] = ai[_u(src + kk)] & _relu_bits(yi[_u(src + kk)])
                     else:
                         for r in range(rows):
+                            src = (ibase + r) * k + p0
                             for kk in range(kcb):
-                                ap[dst + kk * MR + r] = _pack_value(a, y, ibase + r, p0 + kk, alpha, mask)
+                                ap[_u(dst + kk * MR + r)] = aflat[_u(src + kk)] * alpha
                     for r in range(rows, MR):
                         for kk in range(kcb):
-                            ap[dst + kk * MR + r] = 0.0
+                            ap[_u(dst + kk * MR + r)] = 0.0
                     if want_db and jb == 0:  # bias gradient: row sums of the masked A, in k order
                         for kk in range(kcb):  # rows innermost: MR independent sums, vectorised
                             for r in range(MR):
-                                dbacc[ip * MR + r] += ap[dst + kk * MR + r]
+                                dbacc[_u(ip * MR + r)] += ap[_u(dst + kk * MR + r)]
                 load = beta != 0.0 or pi > 0
                 epi = pi == npc - 1
                 for jp in range(j0 // NR, (j0 + ncb + NR - 1) // NR):
@@ -189,15 +197,15 @@ def _gemm_factory(spec: KernelSpec):
                             if load:
                                 for r in range(mrem):
                                     for q in range(nrem):
-                                        tile[r * NR + q] = c[ii + r, jj + q]
+                                        tile[_u(r * NR + q)] = cf[_u((ii + r) * n + jj + q)]
                             fma_tile(CODE, kcb, ap, aoff, bsrc, boff, ldb, tile, 0, NR, load, epi,
                                      biasp, jj, use_bias, relu)
                             for r in range(mrem):
                                 for q in range(nrem):
-                                    c[ii + r, jj + q] = tile[r * NR + q]
+                                    cf[_u((ii + r) * n + jj + q)] = tile[_u(r * NR + q)]
             if want_db and jb == 0:
                 for r in range(mcb):
-                    db[i0 + r] = dbacc[r]
+                    db[i0 + r] = dbacc[_u(r)]
     return gemm_kernel
 
 
