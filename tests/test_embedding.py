@@ -174,6 +174,9 @@ def test_empty_bags_and_batches():
     np.testing.assert_array_equal(w2, w)
     out = np.full((4, 3), np.nan, np.float32)
     assert embedding_bag_forward(w, idx, off, out=out) is out and np.isfinite(out).all()
+    strided = np.full((4, 2, 3), np.nan, np.float32)[:, 1]  # e.g. one table's slice of a (B, T, D) buffer
+    assert embedding_bag_forward(w, idx, off, out=strided) is strided
+    np.testing.assert_array_equal(strided, out)
 
 
 def _args():
@@ -242,6 +245,8 @@ def test_argument_checks():
         embedding_bag_forward(w, idx, off, per_sample_weights=np.ones(4, np.float32))
     with pytest.raises(ValueError, match="out"):
         embedding_bag_forward(w, idx, off, out=np.empty((3, 5), np.float32))
+    with pytest.raises(TypeError, match="out"):
+        embedding_bag_forward(w, idx, off, out=np.empty((2, 5)))
     with pytest.raises(ValueError, match="offsets defines no bags"):
         embedding_bag_forward(w, idx, np.empty(0, np.int64))
     with pytest.raises(ValueError, match="lr must be finite"):

@@ -361,19 +361,23 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
     R, D = w.shape
     indices, offsets, nbags, psw, mean = _check_common(indices, offsets, mode, per_sample_weights,
                                                        include_last_offset)
+    dest = out
     if out is None:
-        out = np.empty((nbags, D), np.float32)
+        dest = out = np.empty((nbags, D), np.float32)
     else:
         if not isinstance(out, np.ndarray) or out.dtype != np.float32:
             raise TypeError(f"out must be a float32 ndarray, got {getattr(out, 'dtype', type(out).__name__)}")
-        if out.shape != (nbags, D) or not (out.flags.c_contiguous and out.flags.aligned and out.flags.writeable):
-            raise ValueError(f"out must be a writeable aligned C-contiguous ({nbags}, {D}) array, "
-                             f"got shape {out.shape}")
+        if out.shape != (nbags, D) or not out.flags.writeable:
+            raise ValueError(f"out must be a writeable ({nbags}, {D}) array, got shape {out.shape}")
+        if not (out.flags.c_contiguous and out.flags.aligned):  # a strided view: pool, then copy in
+            dest = np.empty((nbags, D), np.float32)
     kern = _forward_kernel(_d_class(D), bf16)
     # contiguous chunks of bags, spread over the threads by prange (independent of the thread count)
-    code, pos, val = kern(w, indices, offsets, psw, mean, bool(include_last_offset), min(_CHUNKS, nbags), out)
+    code, pos, val = kern(w, indices, offsets, psw, mean, bool(include_last_offset), min(_CHUNKS, nbags), dest)
     if code:
         _raise_bag_error(code, pos, val, "weight", R, indices.shape[0])
+    if dest is not out:
+        np.copyto(out, dest)
     return out
 
 
