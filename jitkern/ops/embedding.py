@@ -73,7 +73,8 @@ def stack_f32(typingctx, n):
 
 
 def _is_table(a, dtypes=(types.float32, types.uint16)):
-    return isinstance(a, types.Array) and a.ndim == 2 and a.dtype in dtypes
+    """A 2-D C-contiguous array (rows are dense: the row ops load and store whole vectors)."""
+    return isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype in dtypes
 
 
 def _row_ptr(context, builder, aryty, ary, rowty, row):
