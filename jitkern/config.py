@@ -9,6 +9,7 @@ JITKERN_NO_TUNE     1 ignores the tuning DB (heuristic block sizes only)
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,17 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+_KNOBS = ("JITKERN_DEBUG", "JITKERN_CACHE_DIR", "JITKERN_TUNE_DB", "JITKERN_NO_DISK_CACHE",
+          "JITKERN_ISA", "JITKERN_NO_TUNE", "XDG_CACHE_HOME", "HOME")
+
+
 def get_config() -> Config:
-    """The configuration from the environment now (cheap; read on every call, never stored)."""
+    """The configuration from the environment as it is now (a dict lookup when unchanged)."""
+    return _config_for(tuple(os.environ.get(k) for k in _KNOBS))
+
+
+@functools.lru_cache(maxsize=8)
+def _config_for(_env_values: tuple) -> Config:
     try:
         debug = int(os.environ.get("JITKERN_DEBUG", "0") or 0)
     except ValueError:
