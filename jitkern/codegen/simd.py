@@ -2,11 +2,12 @@
 
 The GEMM microkernel computes one MR x NR tile of C from packed panels:
 
-    acc = (load ? C[0:MR, 0:NR] : 0) + sum_k  ap[k, 0:MR] (outer) bp[k, 0:NR]
+    acc = (load ? C[0:MR, 0:NR] : 0) + sum_k  ap[0:MR, k] (outer) bp[k, 0:NR]
     if epi: acc = relu?(acc + bias?[0:NR])        (use_bias / relu: runtime flags)
     C[0:MR, 0:NR] = acc
 
-ap is an A micro-panel packed k-major (kc x MR); bp a B micro-panel, k-major with row stride
+ap is an A micro-panel with element (r, k) at k * ak + r * ar (packed k-major: ak = MR, ar = 1;
+or A read in place with its own strides); bp a B micro-panel, k-major with row stride
 ldb (NR when packed, or B's own row stride when B is read in place); C is addressed through a
 flat array with row stride ldc. The MR x NR accumulators live in
 vector registers for the whole K loop, so C is loaded and stored once per call. Vector width
@@ -61,12 +62,12 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     vec = ir.VectorType(_F32, vw)
     fp, vp = _F32.as_pointer(), vec.as_pointer()
     nv = nr // vw
-    fnty = ir.FunctionType(ir.VoidType(), [_I64, fp, fp, _I64, fp, _I64, _I1, _I1, fp, _I1, _I1])
+    fnty = ir.FunctionType(ir.VoidType(), [_I64, fp, _I64, _I64, fp, _I64, fp, _I64, _I1, _I1, fp, _I1, _I1])
     fn = ir.Function(module, fnty, name=name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
-    kc, pa, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu = fn.args
+    kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu = fn.args
     for p in (pa, pb, pc, pbias):
         p.add_attribute("noalias")
     fma = _vector_fn(module, f"llvm.fma.v{vw}f32", vec)
@@ -86,6 +87,7 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
         off = bld.add(bld.mul(ir.Constant(_I64, r), ldc), ir.Constant(_I64, v * vw))
         return bld.bitcast(bld.gep(pc, [off]), vp)
 
+    roff = [bld.mul(ir.Constant(_I64, r), ar) for r in range(mr)]  # row offsets, loop-invariant
     bld.cbranch(load, b_load, b_head)
     bld.position_at_end(b_load)
     loaded = [[bld.load(cptr(r, v), align=4) for v in range(nv)] for r in range(mr)]
@@ -107,10 +109,10 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     bbase = bld.mul(k, ldb)
     bvec = [bld.load(bld.bitcast(bld.gep(pb, [bld.add(bbase, ir.Constant(_I64, v * vw))]), vp), align=4)
             for v in range(nv)]
-    abase = bld.mul(k, ir.Constant(_I64, mr))
+    abase = bld.mul(k, ak)
     new = []
     for r in range(mr):
-        a = bld.load(bld.gep(pa, [bld.add(abase, ir.Constant(_I64, r))]), align=4)
+        a = bld.load(bld.gep(pa, [bld.add(abase, roff[r])]), align=4)
         ab = bld.shuffle_vector(bld.insert_element(ir.Constant(vec, ir.Undefined), a, ir.Constant(_I32, 0)),
                                 ir.Constant(vec, ir.Undefined), bmask)
         new.append([bld.call(fma, [ab, bvec[v], acc[r][v]]) for v in range(nv)])
@@ -164,19 +166,20 @@ def _decode(code: int):
 # caller on its bytecode and closure values, so drivers must close over plain ints (tile_code),
 # never over per-process objects such as intrinsics (whose pickles differ between processes).
 @intrinsic(prefer_literal=True)
-def fma_tile(typingctx, code, kc, ap, aoff, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff, use_bias,
-             relu):
-    """fma_tile(code, kc, ap, aoff, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff, use_bias, relu).
+def fma_tile(typingctx, code, kc, ap, aoff, ak, ar, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff,
+             use_bias, relu):
+    """fma_tile(code, kc, ap, aoff, ak, ar, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff, use_bias, relu).
 
     All arrays are flat float32; code = tile_code(...) must be a compile-time constant.
     """
     if not isinstance(code, types.IntegerLiteral):
         return None
     mr, nr, vw = _decode(code.literal_value)
-    sig = types.void(code, kc, ap, aoff, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff, use_bias, relu)
+    sig = types.void(code, kc, ap, aoff, ak, ar, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff,
+                     use_bias, relu)
 
     def codegen(context, builder, signature, args):
-        _, kc_, ap_, aoff_, bp_, boff_, ldb_, c_, coff_, ldc_, load_, epi_, bias_, biasoff_, ub_, relu_ = args
+        _, kc_, ap_, aoff_, ak_, ar_, bp_, boff_, ldb_, c_, coff_, ldc_, load_, epi_, bias_, biasoff_, ub_, relu_ = args
         tys = signature.args
 
         def ptr(i, arr, off):
@@ -187,9 +190,10 @@ def fma_tile(typingctx, code, kc, ap, aoff, bp, boff, ldb, c, coff, ldc, load, e
             return context.cast(builder, v, tys[i], to)
 
         fn = _emit_tile_function(builder.module, mr, nr, vw)
-        builder.call(fn, [cast(1, kc_, types.int64), ptr(2, ap_, aoff_), ptr(4, bp_, boff_),
-                          cast(6, ldb_, types.int64), ptr(7, c_, coff_), cast(9, ldc_, types.int64),
-                          cast(10, load_, types.boolean), cast(11, epi_, types.boolean), ptr(12, bias_, biasoff_),
-                          cast(14, ub_, types.boolean), cast(15, relu_, types.boolean)])
+        builder.call(fn, [cast(1, kc_, types.int64), ptr(2, ap_, aoff_), cast(4, ak_, types.int64),
+                          cast(5, ar_, types.int64), ptr(6, bp_, boff_), cast(8, ldb_, types.int64),
+                          ptr(9, c_, coff_), cast(11, ldc_, types.int64), cast(12, load_, types.boolean),
+                          cast(13, epi_, types.boolean), ptr(14, bias_, biasoff_), cast(16, ub_, types.boolean),
+                          cast(17, relu_, types.boolean)])
         return context.get_dummy_value()
     return sig, codegen
