@@ -186,7 +186,8 @@ def main(argv=None) -> int:
         model.train_step(b.dense, b.offsets, b.indices, b.labels, LR)
     for _ in range(2):                       # compile / first-touch warmup, inside the memory window
         jk_step()
-    peak = peak_rss_bytes() - base
+    peak_abs = peak_rss_bytes()
+    peak = peak_abs - base
     pbytes = model.parameter_bytes()
     if args.profile:
         model.timer = StageTimer()
@@ -221,7 +222,8 @@ def main(argv=None) -> int:
         print(f"jitkern / torch samples/s: {med[tname] / med['jitkern']:.2f}x")
     how = "" if exact_peak else " (process peak: an upper bound)"
     print(f"jitkern peak memory over the process before the model: {peak / 2**20:,.0f} MiB = "
-          f"{peak / pbytes:.2f}x its {pbytes / 2**20:,.0f} MiB of parameters{how}")
+          f"{peak / pbytes:.2f}x its {pbytes / 2**20:,.0f} MiB of parameters{how}; whole process "
+          f"(interpreter, numba, batches) {peak_abs / 2**20:,.0f} MiB")
     return 0
 
 
