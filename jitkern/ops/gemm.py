@@ -1,12 +1,14 @@
 """GEMM family: blocked float32 GEMM over an FMA register-tile microkernel, with fused epilogues.
 
-One driver serves every op: C (M, N) = epilogue(alpha * op(A) @ op(B) + beta * C), with
-compile-time flags for transposition, bias + ReLU epilogue (forward), and the ReLU mask and
-bias-gradient reduction fused into the packing of A (backward). Blocking (Goto/BLIS style):
-B is packed once into NR-wide k-major panels; each C block (mc rows x nc columns) is one
-parallel task that packs its mc x kc slice of A per KC pass and sweeps the microkernel over it.
-A C block belongs to one task and its K passes run in a fixed order, so results are
-bit-identical run to run and for any thread count.
+One driver serves every op: C (M, N) = epilogue(alpha * op(A) @ op(B) + beta * C), with flags
+for transposition, the bias + ReLU epilogue applied on the register tile after the last K pass
+(forward), and the ReLU mask and bias-gradient reduction fused into the packing of A
+(backward). Only the tile shape (MR, NR, vector width) is compiled in: one kernel per ISA.
+Blocking (Goto/BLIS style): B is packed once into NR-wide k-major panels unless its rows can
+be read in place; each C block (mc rows x nc columns) is one parallel task that, per KC pass,
+packs its mc x kc slice of A (or reads a plain row-major A in place) and sweeps the tile
+kernel over it. A C block belongs to one task and its K passes run in a fixed order, so
+results are bit-identical run to run and for any thread count.
 """
 from __future__ import annotations
 
