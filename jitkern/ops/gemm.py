@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 
 import numba
 import numpy as np
@@ -63,7 +64,7 @@ def _gemm_factory(spec: KernelSpec):
     TAG = SOURCE_TAG  # in the closure, so a changed simd.py misses numba's disk cache
 
     @jit(parallel=True)
-    def gemm_kernel(a, b, c, bias, y, db, m, n, k, alpha, beta, mc, kc, nc,
+    def gemm_kernel(a, b, c, bias, y, db, ws, m, n, k, alpha, beta, mc, kc, nc,
                     ta, tb, use_bias, relu, mask, want_db):
         # a: (m, k) or (k, m) if ta; y: like a (ReLU output, if mask); b: (k, n) or (n, k) if tb
         # c: (m, n) C-contiguous; bias: (n,) if use_bias; db: (m,) out, row sums of masked A if want_db
@@ -78,7 +79,8 @@ def _gemm_factory(spec: KernelSpec):
         packed = (1 if n % NR else 0) if inplace else npan
         ps = k * NR + 16  # panel stride, one cache line more than needed: panels written side by
         #                   side would otherwise sit 4 KiB-aliased and collide in L1 sets
-        bp = np.empty(max(packed * ps, 1), np.float32)
+        bsize = (n + NR - 1) // NR * ps  # ws: [B panels (bsize) | one A block per task]
+        bp = ws[:bsize]
         bflat = b.reshape(b.size)
         if tb:  # b rows are C columns: read each along k
             for p in prange(packed):
@@ -127,7 +129,8 @@ def _gemm_factory(spec: KernelSpec):
             nmp = (mcb + MR - 1) // MR
             j0 = jb * nc
             ncb = min(nc, n - j0)
-            ap = np.empty(nmp * MR * max(kc, 1), np.float32)
+            apsize = (mc + MR - 1) // MR * MR * max(kc, 1)
+            ap = ws[bsize + t * apsize:bsize + (t + 1) * apsize]
             api = ap.view(np.int32)
             tile = np.empty(MR * NR, np.float32)
             dbacc = np.zeros(nmp * MR, np.float64)
@@ -246,6 +249,19 @@ def clear_block_cache() -> None:
     _blocks.cache_clear()
 
 
+_SCRATCH = threading.local()
+
+
+def _workspace(size: int) -> np.ndarray:
+    """This thread's packing scratch of at least `size` floats, kept between calls: freshly
+    allocated multi-MB buffers come from mmap, and their page faults cost up to ~20% per call."""
+    ws = getattr(_SCRATCH, "ws", None)
+    if ws is None or ws.size < size:
+        ws = np.empty(max(size, 2 * (0 if ws is None else ws.size)), np.float32)
+        _SCRATCH.ws = ws
+    return ws
+
+
 _DUMMY = np.zeros(1, np.float32)
 _DUMMY2 = np.zeros((1, 1), np.float32)
 
@@ -265,8 +281,11 @@ def _gemm_into(a, b, c, ta, tb, *, alpha=1.0, beta=0.0, bias=None, relu=False, y
         mc, kc, nc = _blocks(op, m, n, k, isa, numba.get_num_threads())
     else:  # the tuner's candidates
         mc, kc, nc = gemm_blocks(op, m, n, k, *tile_for(isa)[:2], numba.get_num_threads(), blocks)
+    mr, nr, _ = tile_for(isa)
+    need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * mr * max(kc, 1)
+    ws = _workspace(need)
     args = (a, b, c, _DUMMY if bias is None else bias, _DUMMY2 if y is None else y,
-            _DUMMY if db is None else db, m, n, k, np.float32(alpha), np.float32(beta), mc, kc, nc,
+            _DUMMY if db is None else db, ws, m, n, k, np.float32(alpha), np.float32(beta), mc, kc, nc,
             ta, tb, bias is not None, relu, y is not None, db is not None)
     kern = _kernel(isa)
     try:
