@@ -5,7 +5,7 @@ params}}}} where db_key = host_target().key + jitkern + numba versions, so entri
 another CPU or with other library versions are never used. A corrupt file is ignored with a
 warning; writes go through a temporary file and os.replace, so readers never see half a file.
 
-`python -m jitkern tune [K->M ...] [--batch N] [--quick]` times candidate (MC, KC) for the GEMMs
+`python -m jitkern tune [IN,OUT ...] [--batch N] [--quick] [--only]` times candidate (MC, KC) for the GEMMs
 of the DLRM MLP layers (forward, backward-data, backward-weight) and stores the fastest.
 """
 from __future__ import annotations
@@ -197,7 +197,7 @@ def _parse_layer(text: str):
     try:
         kin, kout = (int(v) for v in text.replace("->", ",").split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"layer must look like IN->OUT (e.g. 479->1024), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"layer must look like IN,OUT or IN->OUT (e.g. 479,1024), got {text!r}") from None
     if kin < 1 or kout < 1:
         raise argparse.ArgumentTypeError(f"layer sizes must be positive, got {text!r}")
     return kin, kout
@@ -205,7 +205,8 @@ def _parse_layer(text: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jitkern tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("layers", nargs="*", type=_parse_layer, help="extra layers IN->OUT to tune (besides DLRM's)")
+    p.add_argument("layers", nargs="*", type=_parse_layer,
+                   help="extra layers to tune besides DLRM's, as IN,OUT or 'IN->OUT' (quote the >)")
     p.add_argument("--batch", type=int, default=2048, help="batch size of the layer GEMMs (default 2048)")
     p.add_argument("--quick", action="store_true", help="fewer candidates")
     p.add_argument("--only", action="store_true", help="tune only the layers given, not the DLRM defaults")
