@@ -5,8 +5,8 @@ params}}}} where db_key = host_target().key + jitkern + numba versions, so entri
 another CPU or with other library versions are never used. A corrupt file is ignored with a
 warning; writes go through a temporary file and os.replace, so readers never see half a file.
 
-`python -m jitkern tune [IN,OUT ...] [--batch N] [--quick] [--only]` times candidate (MC, KC) for the GEMMs
-of the DLRM MLP layers (forward, backward-data, backward-weight) and stores the fastest.
+`python -m jitkern tune [IN,OUT ...] [--batch N] [--quick] [--only]` times candidate (MC, KC)
+for the GEMMs of the DLRM MLP layers (forward, backward-data, backward-weight) and stores the fastest.
 """
 from __future__ import annotations
 
@@ -197,7 +197,8 @@ def _parse_layer(text: str):
     try:
         kin, kout = (int(v) for v in text.replace("->", ",").split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"layer must look like IN,OUT or IN->OUT (e.g. 479,1024), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"layer must look like IN,OUT or IN->OUT (e.g. 479,1024), got {text!r}") from None
     if kin < 1 or kout < 1:
         raise argparse.ArgumentTypeError(f"layer sizes must be positive, got {text!r}")
     return kin, kout
