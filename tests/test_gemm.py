@@ -188,6 +188,9 @@ def test_validation_names_the_argument():
         gemm(f32, f32.T, np.empty((3, 3), np.float32))
     with pytest.raises(ValueError, match="out must be C-contiguous"):
         gemm(f32, f32.T, np.empty((4, 8), np.float32)[:, ::2])
+    sq = np.ones((4, 4), np.float32)
+    with pytest.raises(ValueError, match="out must not overlap"):
+        gemm(sq, sq, sq)
     with pytest.raises(TypeError, match="alpha"):
         gemm(f32, f32.T, alpha="x")
     with pytest.raises(ValueError, match="w must have shape"):

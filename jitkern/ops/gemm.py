@@ -319,7 +319,7 @@ def _operand(name, x, trans):
     return _matrix(name, x), trans
 
 
-def _out(name, out, shape):
+def _out(name, out, shape, *inputs):
     if not isinstance(out, np.ndarray) or out.dtype != _F32:
         raise TypeError(f"{name} must be a float32 numpy.ndarray, got "
                         f"{getattr(out, 'dtype', type(out).__name__)}")
@@ -327,6 +327,8 @@ def _out(name, out, shape):
         raise ValueError(f"{name} must have shape {shape}, got {out.shape}")
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"{name} must be C-contiguous and writeable")
+    if any(np.may_share_memory(out, x) for x in inputs):  # tiles are written while inputs are read
+        raise ValueError(f"{name} must not overlap the inputs")
     return out
 
 
@@ -358,7 +360,7 @@ def gemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     if out is None:
         out, beta = np.empty((m, n), np.float32), 0.0
     else:
-        _out("out", out, (m, n))
+        _out("out", out, (m, n), a, b)
     return _gemm_into(a, b, out, ta, tb, alpha=alpha, beta=beta)
 
 
@@ -374,7 +376,7 @@ def linear_forward(x, w, b=None, *, activation=None, out=None):
         b = _matrix("b", b, 1)
         if b.shape != (m,):
             raise ValueError(f"b must have shape ({m},), got {b.shape}")
-    y = np.empty((n, m), np.float32) if out is None else _out("out", out, (n, m))
+    y = np.empty((n, m), np.float32) if out is None else _out("out", out, (n, m), x, w)
     return _gemm_into(x, w, y, False, True, bias=b, relu=relu, op="linear_forward")
 
 
@@ -412,7 +414,7 @@ def batch_reduce_gemm(a, b, out=None, *, alpha=1.0, beta=0.0):
     if out is None:
         out, beta = np.empty((m, n), np.float32), 0.0
     else:
-        _out("out", out, (m, n))
+        _out("out", out, (m, n), a, b)
     # the batch folds into one long reduction: [a_0 | a_1 | ...] (M, nb*K) @ [b_0; b_1; ...] (nb*K, N)
     a_cat = np.ascontiguousarray(a.transpose(1, 0, 2)).reshape(m, nb * k)
     return _gemm_into(a_cat, b.reshape(nb * k, n), out, False, False, alpha=alpha, beta=beta,
