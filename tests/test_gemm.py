@@ -79,6 +79,25 @@ def test_linear_backward_matches_reference(n, k, m, act, seed):
     assert_close(db, rdb, ady.sum(axis=0), n)
 
 
+@given(n=dims, k=st.sampled_from([1, 3, 13, 17]), m=st.sampled_from([1, 64, 200, 512]),
+       act=st.sampled_from([None, "relu"]), need_dx=st.booleans(), seed=st.integers(0, 99))
+def test_linear_backward_narrow_shapes_and_skipped_dx(n, k, m, act, need_dx, seed):
+    # narrow K against wide M takes the dw.T = x.T @ g route; M = 1 is the click-logit layer
+    rng = np.random.default_rng(seed)
+    x, w, b = arrays(rng, n, k), arrays(rng, m, k), arrays(rng, m)
+    y = ref.linear_forward(x, w, b, activation=act)
+    dy = arrays(rng, n, m)
+    dx, dw, db = linear_backward(dy, x, w, y, activation=act, need_dx=need_dx)
+    rdx, rdw, rdb = ref.linear_backward(dy, x, w, y, activation=act, need_dx=need_dx)
+    ady = np.abs(dy).astype(np.float64)
+    assert (dx is None) == (rdx is None) == (not need_dx)
+    if need_dx:
+        assert_close(dx, rdx, ady @ np.abs(w), m)
+    assert dw.flags.c_contiguous
+    assert_close(dw, rdw, ady.T @ np.abs(x), n)
+    assert_close(db, rdb, ady.sum(axis=0), n)
+
+
 @given(nb=st.integers(1, 5), m=dims, k=st.integers(1, 80), n=dims, beta=st.sampled_from([0.0, 0.5]),
        seed=st.integers(0, 99))
 def test_batch_reduce_gemm_matches_reference(nb, m, k, n, beta, seed):
@@ -149,7 +168,8 @@ def test_parallel_results_are_deterministic_across_thread_counts():
         for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}) * 2:
             numba.set_num_threads(threads)
             y = linear_forward(x, w, b, activation="relu")
-            runs.append((y, *linear_backward(dy, x, w, y, activation="relu")))
+            runs.append((y, *linear_backward(dy, x, w, y, activation="relu"),
+                         *linear_backward(dy, x[:, :9], w[:, :9], y, activation="relu", need_dx=False)[1:]))
     finally:
         numba.set_num_threads(before)
     for other in runs[1:]:

@@ -353,7 +353,8 @@ class DLRM:
             grads = [None] * len(self.bot_w)
             for l in range(len(self.bot_w) - 1, -1, -1):
                 x = dense if l == 0 else buf.bot[l - 1]
-                dy, dw, db = ops.linear_backward(dy, x, self.bot_w[l], buf.bot[l], activation="relu")
+                dy, dw, db = ops.linear_backward(dy, x, self.bot_w[l], buf.bot[l], activation="relu",
+                                                 need_dx=l > 0)
                 grads[l] = (dw, db)
             return grads
 

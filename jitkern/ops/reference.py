@@ -31,15 +31,15 @@ def linear_forward(x, w, b=None, *, activation=None, out=None):
     return y.astype(np.float32)
 
 
-def linear_backward(dy, x, w, y=None, *, activation=None):
-    """Gradients of linear_forward; dy, y: (N, M) -> dx (N, K), dw (M, K), db (M,)."""
+def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True):
+    """Gradients of linear_forward; dy, y: (N, M) -> dx (N, K) (None unless need_dx), dw (M, K), db (M,)."""
     g = np.asarray(dy, np.float64)
     if activation == "relu":
         g = np.where(np.asarray(y) > 0, g, 0.0)
-    dx = g @ np.asarray(w, np.float64)
+    dx = (g @ np.asarray(w, np.float64)).astype(np.float32) if need_dx else None
     dw = g.T @ np.asarray(x, np.float64)
     db = g.sum(axis=0)
-    return dx.astype(np.float32), dw.astype(np.float32), db.astype(np.float32)
+    return dx, dw.astype(np.float32), db.astype(np.float32)
 
 
 def batch_reduce_gemm(a, b, out=None, *, alpha=1.0, beta=0.0):
