@@ -22,7 +22,27 @@ from .common import print_table, set_threads
 WORKER = [sys.executable, "-m", "jitkern.bench.dist", "--worker"]
 
 
+def _idle_barrier(comm) -> None:
+    """A barrier that sleeps while it waits, so an idle rank leaves its core to the one working."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.0005)
+
+
+def _timed_steps(model, batches, n, comm=None):
+    times, losses = [], []
+    for i in range(n):
+        if comm is not None:
+            comm.Barrier()
+        t0 = time.perf_counter()
+        losses.append(model.train_step(*batches[i % len(batches)], 0.01, check=False))
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
 def worker(args) -> int:
+    """Time train_step; under mpiexec, alternate rounds of the P-rank model with rounds of the
+    one-process model on rank 0 (the others sleeping), so both see the same machine noise."""
     from ..dlrm.dist import comm_from_env
     from ..dlrm.model import DLRM, StageTimer
     from ..dlrm.scale import configs, random_batch
@@ -31,33 +51,45 @@ def worker(args) -> int:
     comm = comm_from_env()
     rank = 0 if comm is None else comm.Get_rank()
     cfg = configs()[args.config]
-    m = DLRM(cfg["sizes"], cfg["dim"], cfg["bottom"], cfg["top"], seed=0, comm=comm)
+    arch = (cfg["sizes"], cfg["dim"], cfg["bottom"], cfg["top"])
+    m = DLRM(*arch, seed=0, comm=comm)
     batches = [random_batch(cfg, args.batch, s) for s in range(3)]
+    base = DLRM(*arch, seed=0) if comm is not None and rank == 0 and args.baseline else None
+    base_batches = [random_batch(cfg, args.baseline, s) for s in range(3)] if base is not None else []
     losses = [m.train_step(*batches[i % 3], 0.01) for i in range(args.warmup)]
+    base_losses = [base.train_step(*base_batches[i % 3], 0.01) for i in range(args.warmup)] if base else []
     m.timer = timer = StageTimer()
     if comm is not None:
         m.exchange.reset_stats()
-    times = []
-    for i in range(args.steps):
-        if comm is not None:
-            comm.Barrier()
-        t0 = time.perf_counter()
-        losses.append(m.train_step(*batches[i % 3], 0.01, check=False))
-        times.append(time.perf_counter() - t0)
+    times, base_times = [], []
+    for _ in range(args.rounds):
+        if comm is not None and args.baseline:
+            if base is not None:
+                t, l = _timed_steps(base, base_batches, args.steps)
+                base_times += t
+                base_losses += l
+            _idle_barrier(comm)
+        t, l = _timed_steps(m, batches, args.steps, comm)
+        times += t
+        losses += l
     if comm is not None:
         times = list(np.max(comm.allgather(times), axis=0))     # a step ends when its last rank does
     link = (m.exchange.bandwidth, m.exchange.latency * 1e6) if comm is not None else (0.0, 0.0)
     if rank == 0:
-        prof = {k: v / args.steps for k, v in timer.seconds.items()}
-        print(json.dumps({"ranks": 1 if comm is None else comm.Get_size(), "batch": args.batch,
-                          "step": float(np.median(times)), "losses": losses, "profile": prof,
+        n = args.steps * args.rounds
+        print(json.dumps({"ranks": 1 if comm is None else comm.Get_size(), "batch": args.batch, "steps": n,
+                          "step": float(np.median(times)), "losses": losses,
+                          "base_step": float(np.median(base_times)) if base_times else None,
+                          "base_losses": base_losses,
+                          "profile": {k: v / n for k, v in timer.seconds.items()},
                           "link_gbs": link[0], "latency_us": link[1],
                           "comm": m.exchange.profile_rows() if comm is not None else []}), flush=True)
     return 0
 
 
-def _launch(config, ranks, batch, steps, warmup, timeout):
-    cmd = WORKER + ["--config", config, "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
+def _launch(config, ranks, batch, steps, rounds, warmup, baseline, timeout):
+    cmd = WORKER + ["--config", config, "--batch", str(batch), "--steps", str(steps), "--rounds", str(rounds),
+                    "--warmup", str(warmup), "--baseline", str(baseline)]
     if ranks > 1:
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
         if mpiexec is None:
@@ -76,8 +108,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts (4 oversubscribes this machine: "
                                                      "correctness only)")
     ap.add_argument("--batch", type=int, default=2048, help="per-rank (weak) and global (strong) batch")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, alternating P ranks and the one-process baseline")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--baseline", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -92,44 +126,54 @@ def main(argv=None) -> int:
         ap.error(f"unknown config(s) {unknown}; choose from {sorted(configs())}")
     ranks = sorted({int(x) for x in args.ranks.split(",")} | {1})
     print(f"bench dist: one thread per rank, {os.cpu_count()} CPUs here; per-rank/global batch {args.batch}")
+    cores = os.cpu_count() or 1
     rows, comm_rows = [], []
     for name in names:
-        runs = {}
+        runs = {}       # (P, global batch) -> worker result; P > 1 runs carry their own P=1 baseline
         for p in ranks:
             for mode in ("weak", "strong"):
                 batch = args.batch * p if mode == "weak" else args.batch
-                if (p, batch) not in runs:
-                    steps = args.steps if p <= (os.cpu_count() or 1) else 2
-                    runs[(p, batch)] = _launch(name, p, batch, steps, min(args.warmup, steps), args.timeout)
+                if (p, batch) not in runs and (p > 1 or ranks == [1]):
+                    over = p > cores
+                    runs[(p, batch)] = _launch(name, p, batch, 2 if over else args.steps, 1 if over else args.rounds,
+                                               min(args.warmup, 2), 0 if over or p == 1 else args.batch,
+                                               args.timeout)
         link = next((r for (p, _), r in runs.items() if p > 1), {"link_gbs": 10.0, "latency_us": 1.0})
         bw, lat = max(link["link_gbs"], 0.1), link["latency_us"]
         set_threads(1)
         for mode in ("weak", "strong"):
             preds = measure_and_predict(configs()[name], ranks, mode, bandwidth_gbs=bw, latency_us=lat,
                                         per_rank_batch=args.batch, log=lambda *a: None)
-            base = runs[(1, args.batch)]
+            # the P=1 baseline measured interleaved in this mode's 2-rank job (else the plain P=1 run)
+            ref = runs.get((2, args.batch * 2 if mode == "weak" else args.batch)) or runs[(1, args.batch)]
+            base_step = ref["base_step"] or ref["step"]
+            base_loss = (ref["base_losses"] or ref["losses"])[0]
             for p, pred in zip(ranks, preds):
-                run = runs[(p, args.batch * p if mode == "weak" else args.batch)]
+                if p == 1:
+                    run = dict(batch=args.batch, step=base_step, losses=[base_loss], profile={})
+                else:
+                    run = runs[(p, args.batch * p if mode == "weak" else args.batch)]
                 step = run["step"]
-                ratio = base["step"] / step
                 prof = run["profile"]
-                over = " (oversubscribed: correctness only)" if p > (os.cpu_count() or 1) else ""
-                loss_ok = np.isclose(run["losses"][0], base["losses"][0], rtol=1e-5) if mode == "strong" else ""
+                over = " (oversubscribed: correctness only)" if p > cores else ""
+                loss_ok = np.isclose(run["losses"][0], base_loss, rtol=1e-5) if mode == "strong" else ""
                 rows.append([name, mode, p, run["batch"], f"{step * 1e3:.1f}", f"{run['batch'] / step:,.0f}",
-                             f"{ratio:.2f}{'' if mode == 'weak' else 'x'}",
+                             f"{base_step / step:.2f}{'' if mode == 'weak' else 'x'}",
                              f"{prof.get('communication', 0) * 1e3:.1f}", f"{prof.get('comm_hidden', 0) * 1e3:.1f}",
                              f"{pred.step * 1e3:.1f}", f"{(pred.step / step - 1) * 100:+.0f}%",
                              str(loss_ok) + over])
         print(f"  {name}: link between ranks {bw:.1f} GB/s, {lat:.1f} us (used by the model)")
         for (p, batch), run in sorted(runs.items()):
             for kind, calls, mb, wire, exposed, hidden in run["comm"]:
-                n = args.steps if p <= (os.cpu_count() or 1) else 2
+                n = run["steps"] + min(args.warmup, 2)       # exchange counters include the warmup steps
                 comm_rows.append([name, p, batch, kind, f"{calls / n:.0f}", f"{mb / n:.2f}", f"{wire / n:.2f}",
                                   f"{exposed / n:.2f}", f"{hidden / n:.2f}"])
     print_table(["config", "mode", "P", "global B", "ms/step", "samples/s", "eff|speedup", "comm exposed ms",
                  "comm hidden ms", "model ms", "model err", "loss = P1"], rows)
     print("eff = step(P=1) / step(P) at a fixed per-rank batch; speedup = step(P=1) / step(P) at a fixed global "
-          "batch; comm columns are per step on rank 0.")
+          "batch; medians over rounds that alternate the P-rank model with the one-process model (on rank 0 of "
+          "the same job, the other ranks asleep), so both see the same machine; comm columns are per step on "
+          "rank 0.")
     if comm_rows:
         print("\nexchanges per step on rank 0 (link ms: bytes and latency on the measured link; exposed: time in "
               "MPI calls, incl. waiting for the other ranks; hidden: link time covered by compute):")
