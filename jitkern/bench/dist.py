@@ -30,14 +30,18 @@ def _idle_barrier(comm) -> None:
 
 
 def _timed_steps(model, batches, n, comm=None):
+    """-> (seconds per step, losses, this process's CPU seconds over wall seconds)."""
     times, losses = [], []
+    c0, w0 = time.process_time(), time.perf_counter()
     for i in range(n):
         if comm is not None:
             comm.Barrier()
         t0 = time.perf_counter()
         losses.append(model.train_step(*batches[i % len(batches)], 0.01, check=False))
         times.append(time.perf_counter() - t0)
-    return times, losses
+    # a rank that has its core is busy all the time (MPI waits poll): a share below 1 means
+    # another process took the CPU during the measurement
+    return times, losses, (time.process_time() - c0) / (time.perf_counter() - w0)
 
 
 def worker(args) -> int:
@@ -61,26 +65,27 @@ def worker(args) -> int:
     m.timer = timer = StageTimer()
     if comm is not None:
         m.exchange.reset_stats()
-    times, base_times = [], []
+    times, base_times, share, base_share = [], [], [], []
     for _ in range(args.rounds):
         if comm is not None and args.baseline:
             if base is not None:
-                t, l = _timed_steps(base, base_batches, args.steps)
-                base_times += t
-                base_losses += l
+                t, l, c = _timed_steps(base, base_batches, args.steps)
+                base_times, base_losses, base_share = base_times + t, base_losses + l, base_share + [c]
             _idle_barrier(comm)
-        t, l = _timed_steps(m, batches, args.steps, comm)
-        times += t
-        losses += l
+        t, l, c = _timed_steps(m, batches, args.steps, comm)
+        times, losses, share = times + t, losses + l, share + [c]
+    share = min(share)
     if comm is not None:
         times = list(np.max(comm.allgather(times), axis=0))     # a step ends when its last rank does
+        share = min(comm.allgather(share))
     link = (m.exchange.bandwidth, m.exchange.latency * 1e6) if comm is not None else (0.0, 0.0)
     if rank == 0:
         n = args.steps * args.rounds
         print(json.dumps({"ranks": 1 if comm is None else comm.Get_size(), "batch": args.batch, "steps": n,
                           "step": float(np.median(times)), "losses": losses,
                           "base_step": float(np.median(base_times)) if base_times else None,
-                          "base_losses": base_losses,
+                          "base_losses": base_losses, "cpu_share": share,
+                          "base_cpu_share": min(base_share) if base_share else None,
                           "profile": {k: v / n for k, v in timer.seconds.items()},
                           "link_gbs": link[0], "latency_us": link[1],
                           "comm": m.exchange.profile_rows() if comm is not None else []}), flush=True)
@@ -147,10 +152,11 @@ def main(argv=None) -> int:
             # the P=1 baseline measured interleaved in this mode's 2-rank job (else the plain P=1 run)
             ref = runs.get((2, args.batch * 2 if mode == "weak" else args.batch)) or runs[(1, args.batch)]
             base_step = ref["base_step"] or ref["step"]
+            base_share = ref.get("base_cpu_share") or ref["cpu_share"]
             base_loss = (ref["base_losses"] or ref["losses"])[0]
             for p, pred in zip(ranks, preds):
                 if p == 1:
-                    run = dict(batch=args.batch, step=base_step, losses=[base_loss], profile={})
+                    run = dict(batch=args.batch, step=base_step, losses=[base_loss], profile={}, cpu_share=base_share)
                 else:
                     run = runs[(p, args.batch * p if mode == "weak" else args.batch)]
                 step = run["step"]
@@ -161,7 +167,7 @@ def main(argv=None) -> int:
                              f"{base_step / step:.2f}{'' if mode == 'weak' else 'x'}",
                              f"{prof.get('communication', 0) * 1e3:.1f}", f"{prof.get('comm_hidden', 0) * 1e3:.1f}",
                              f"{pred.step * 1e3:.1f}", f"{(pred.step / step - 1) * 100:+.0f}%",
-                             str(loss_ok) + over])
+                             f"{run['cpu_share']:.2f}", str(loss_ok) + over])
         print(f"  {name}: link between ranks {bw:.1f} GB/s, {lat:.1f} us (used by the model)")
         for (p, batch), run in sorted(runs.items()):
             for kind, calls, mb, wire, exposed, hidden in run["comm"]:
@@ -169,11 +175,12 @@ def main(argv=None) -> int:
                 comm_rows.append([name, p, batch, kind, f"{calls / n:.0f}", f"{mb / n:.2f}", f"{wire / n:.2f}",
                                   f"{exposed / n:.2f}", f"{hidden / n:.2f}"])
     print_table(["config", "mode", "P", "global B", "ms/step", "samples/s", "eff|speedup", "comm exposed ms",
-                 "comm hidden ms", "model ms", "model err", "loss = P1"], rows)
+                 "comm hidden ms", "model ms", "model err", "cpu share", "loss = P1"], rows)
     print("eff = step(P=1) / step(P) at a fixed per-rank batch; speedup = step(P=1) / step(P) at a fixed global "
           "batch; medians over rounds that alternate the P-rank model with the one-process model (on rank 0 of "
           "the same job, the other ranks asleep), so both see the same machine; comm columns are per step on "
-          "rank 0.")
+          "rank 0; cpu share: the lowest CPU-time / wall-time of a rank while timed (< 0.95: other processes "
+          "took CPU from a rank, so that row is slowed by the machine, not by jitkern).")
     if comm_rows:
         print("\nexchanges per step on rank 0 (link ms: bytes and latency on the measured link; exposed: time in "
               "MPI calls, incl. waiting for the other ranks; hidden: link time covered by compute):")
