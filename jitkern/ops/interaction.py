@@ -309,10 +309,11 @@ def _dot_backward_factory(spec):
     @jit()
     def dot_backward(b0, b1, dz, x, addrs, stride, off, dx, dly):
         # samples b0 <= b < b1 of dz: (B, D + P); x, addrs, stride, off as in the forward;
-        # dx: (B, D), dly: (B, T, D) outputs
+        # dx: (B, D), dly: (T, B, D) outputs (table-major: each table's (B, D) gradient is contiguous)
         D = DC if DC > 0 else x.shape[1]
         F = FC if FC > 0 else addrs.shape[0] + 1
         T = F - 1
+        NB = dly.shape[1]
         Dp = (D + W - 1) // W * W
         full = D == Dp  # rows go straight to dx/dly; else through o (pad lanes must not be stored)
         buf = np.zeros(F * Dp, np.float32)     # one sample: (F, Dp), pad lanes stay 0
@@ -350,13 +351,13 @@ def _dot_backward_factory(spec):
                         if i0 == 0:
                             _vstore(dx, b * D + j0, _vadd(a0, _vload(dz, b * dz.shape[1] + j0, W)))
                         else:
-                            _vstore(dly, (b * T + i0 - 1) * D + j0, a0)
+                            _vstore(dly, ((i0 - 1) * NB + b) * D + j0, a0)
                         if i0 + 1 < F:
-                            _vstore(dly, (b * T + i0) * D + j0, a1)
+                            _vstore(dly, (i0 * NB + b) * D + j0, a1)
                         if i0 + 2 < F:
-                            _vstore(dly, (b * T + i0 + 1) * D + j0, a2)
+                            _vstore(dly, ((i0 + 1) * NB + b) * D + j0, a2)
                         if i0 + 3 < F:
-                            _vstore(dly, (b * T + i0 + 2) * D + j0, a3)
+                            _vstore(dly, ((i0 + 2) * NB + b) * D + j0, a3)
                     else:
                         _vstore(o, j0, a0)
                         _vstore(o, Dp + j0, a1)
@@ -369,7 +370,7 @@ def _dot_backward_factory(spec):
                             if i == 0:
                                 dx[b, d] = o[d] + dz[b, d]
                             else:
-                                dly[b, i - 1, d] = o[q * Dp + d]
+                                dly[i - 1, b, d] = o[q * Dp + d]
     return dot_backward
 
 
@@ -467,7 +468,8 @@ def interaction_dot_forward(x, ly, *, self_interaction=False):
 
 
 def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
-    """Gradients of interaction_dot_forward: dz (B, D + P) -> dx (B, D), dly (B, T, D) float32."""
+    """Gradients of interaction_dot_forward: dz (B, D + P) -> dx (B, D), dly (B, T, D) float32 (a view
+    of a (T, B, D) array)."""
     x, keep, addrs, stride, T = _features(x, ly)
     B, D = x.shape
     dz = _check_f32("dz", dz, 2)
@@ -475,11 +477,12 @@ def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
     if dz.shape != want:
         raise ValueError(f"dz must have shape (B, D + P) = {want}, got {dz.shape}")
     dx = np.empty((B, D), np.float32)
-    dly = np.empty((B, T, D), np.float32)
+    dly = np.empty((T, B, D), np.float32)  # returned as a (B, T, D) view: dly[:, t] is contiguous, so
+    #                                        the per-table embedding updates take it without a copy
     _over_batch(get_kernel(_spec("interaction_dot_backward", T + 1, D)), B,
                 dz, x, addrs, stride, int(bool(self_interaction)), dx, dly)
     del keep  # the arrays addrs points into: alive until the kernels are done
-    return dx, dly
+    return dx, dly.transpose(1, 0, 2)
 
 
 def interaction_cat_forward(x, ly):
