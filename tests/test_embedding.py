@@ -179,6 +179,20 @@ def test_empty_bags_and_batches():
     np.testing.assert_array_equal(strided, out)
 
 
+def test_backward_rows_up_to_two_to_the_32():
+    # the plan packs (row << 32 | position) in one int64: rows with bit 31 set make it negative
+    top = 2**32 - 1
+    idx = np.array([top, 5, 2**31, top, 2**31 + 7, 5], np.int64)
+    off = np.array([0, 2, 3], np.int64)
+    dout = np.arange(9, dtype=np.float32).reshape(3, 3)
+    rows, drows = embedding_bag_backward(idx, off, dout, 2**32)
+    want_rows, want_drows = reference.embedding_bag_backward(idx, off, dout, 2**32)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(drows, want_drows)
+    with pytest.raises(ValueError, match="2\\*\\*32 rows"):
+        embedding_bag_backward(idx, off, dout, 2**32 + 1)
+
+
 def _args():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((10, 5)).astype(np.float32)

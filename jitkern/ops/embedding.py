@@ -393,7 +393,7 @@ def _plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts, work, fwor
     Returns the (code, position, value) of _check_bags, then in sorted order rows (nnz,), the bag
     (nnz,) and the scale (nnz,) float32 (per-sample weight / bag size for mean) of each entry, so
     the update reads them sequentially, then group (U + 1,) the start of each group of equal
-    rows and parts (nparts + 1,) the group cuts. work (7, nnz + 1) int64 and fwork (nnz + 1,)
+    rows and parts (nparts + 1,) the group cuts. work (6, nnz + 1) int64 and fwork (nnz + 1,)
     float32 are scratch the results are views of.
     """
     nnz = indices.shape[0]
@@ -424,45 +424,47 @@ def _plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts, work, fwor
     for p in range(npass):
         for k in range(1, count.shape[1]):
             count[p, k] += count[p, k - 1]
-    # pass 0 scatters straight from the indices, later passes ping-pong
-    rows, pos = work[1, :nnz], work[2, :nnz]
-    for j in range(nnz):
+    # Each entry moves as one word, (row << 32) | position: half the traffic of separate row and
+    # position arrays. Rows < 2**32 (the wrapper checks); bit 63 may make the word negative, so a
+    # digit is read from the row recovered with a mask (a shift alone would drag the sign in).
+    lo32 = (np.int64(1) << 32) - 1
+    keys, keys2 = work[1, :nnz], work[3, :nnz]
+    for j in range(nnz):  # pass 0 scatters straight from the indices, later passes ping-pong
         r = np.int64(indices[j])
         k = r & mask
         t = count[0, k]
         count[0, k] = t + 1
-        rows[t] = r
-        pos[t] = j
-    rows2, pos2 = work[3, :nnz], work[4, :nnz]
+        keys[t] = (r << 32) | j
     for p in range(1, npass):
         shift = p * digit
         for j in range(nnz):
-            k = (rows[j] >> shift) & mask
+            key = keys[j]
+            k = (((key >> 32) & lo32) >> shift) & mask
             t = count[p, k]
             count[p, k] = t + 1
-            rows2[t] = rows[j]
-            pos2[t] = pos[j]
-        rows, rows2 = rows2, rows
-        pos, pos2 = pos2, pos
-    starts = work[5]
+            keys2[t] = key
+        keys, keys2 = keys2, keys
+    # unpack in one sweep: rows, group starts, and each entry's bag and scale
+    rows, starts, sbag, sscale = work[2, :nnz], work[4], work[5, :nnz], fwork[:nnz]
+    has_psw = psw.shape[0] > 0
     ngroups = 0
-    for j in range(nnz):
-        if j == 0 or rows[j] != rows[j - 1]:
-            starts[ngroups] = j
+    for k in range(nnz):
+        key = keys[k]
+        r = (key >> 32) & lo32
+        j = key & lo32
+        rows[k] = r
+        if k == 0 or r != rows[k - 1]:
+            starts[ngroups] = k
             ngroups += 1
+        b = bag_of[j]
+        sbag[k] = b
+        sscale[k] = (psw[j] if has_psw else np.float32(1.0)) * inv_len[b]
     starts[ngroups] = nnz
     group = starts[:ngroups + 1]
     parts = np.empty(nparts + 1, np.int64)
     for t in range(nparts + 1):
         parts[t] = np.searchsorted(group, t * nnz // nparts)  # first group starting at or after the cut
     parts[nparts] = ngroups
-    sbag = work[6, :nnz]
-    sscale = fwork[:nnz]
-    has_psw = psw.shape[0] > 0
-    for k in range(nnz):
-        j = pos[k]
-        sbag[k] = bag_of[j]
-        sscale[k] = (psw[j] if has_psw else np.float32(1.0)) * inv_len[bag_of[j]]
     return (code, bad, value), rows, sbag, sscale, group, parts
 
 
@@ -515,16 +517,16 @@ _SCRATCH = threading.local()
 
 
 def _scratch(n):
-    """Per-thread, grow-only scratch for the plan: work (7, n) int64 and fwork (n,) float32.
+    """Per-thread, grow-only scratch for the plan: work (6, n) int64 and fwork (n,) float32.
 
     Fresh arrays of this size cost more than the whole sort: glibc maps them anew on every call
     and returns them on free, so each page faults again. Thread-local, so concurrent callers never
     share it; kernels finish with it before the op returns (results handed out are copies).
     """
     buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.shape[0] < 8 * n:
-        buf = _SCRATCH.buf = np.empty(max(8 * n, 2 * (0 if buf is None else buf.shape[0])), np.int64)
-    return buf[:7 * n].reshape(7, n), buf[7 * n:8 * n].view(np.float32)[:n]
+    if buf is None or buf.shape[0] < 7 * n:
+        buf = _SCRATCH.buf = np.empty(max(7 * n, 2 * (0 if buf is None else buf.shape[0])), np.int64)
+    return buf[:6 * n].reshape(6, n), buf[6 * n:7 * n].view(np.float32)[:n]
 
 
 def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr, eps, mode,
@@ -539,6 +541,9 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
     dout = _as_float_array("dout", dout, (nbags, D))
     # row-group parts spread over the threads by prange: ownership and results do not depend on the thread count
     nnz = indices.shape[0]
+    if num_rows > 1 << 32 or nnz >= 1 << 32:  # the plan packs a row and a position into one int64
+        raise ValueError(f"embedding updates support up to 2**32 rows and indices, got {num_rows} rows, "
+                         f"{nnz} indices")
     work, fwork = _scratch(nnz + 1)
     err, rows, sbag, sscale, group, parts = _plan(indices, offsets, psw, nbags, num_rows, bool(include_last_offset),
                                                   mean, max(1, min(_CHUNKS, nnz)), work, fwork)
