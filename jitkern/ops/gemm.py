@@ -458,7 +458,9 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True):
         db[:] = 0.0
     dx = _gemm_into(g, w, np.empty((n, k), np.float32), False, False, op="linear_dx") if need_dx else None
     mr, nr, _ = tile_shape()
-    if _lane_use(k, m, mr, nr) > 1.25 * _lane_use(m, k, mr, nr):  # narrow K (e.g. 13 inputs): dw.T fills tiles
+    # dw.T = x.T @ g when it fills the tiles better (13 -> 512: 0.81 vs 0.41 of the lanes; measured
+    # 2.2x faster; 100 -> 1024 and 367 -> 512 ~10%); at equal use dw is the faster of the two
+    if _lane_use(k, m, mr, nr) > 1.02 * _lane_use(m, k, mr, nr):
         dw = np.ascontiguousarray(_gemm_into(x, g, np.empty((k, m), np.float32), True, False, op="linear_dwt").T)
     else:
         dw = _gemm_into(g, x, np.empty((m, k), np.float32), True, False, op="linear_dw")
