@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jitkern.codegen.prefetch import prefetch, prefetch_write
 from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_backward, embedding_bag_forward
 from jitkern.ops import embedding_bag_sgd_, reference
-from jitkern.ops.embedding import SPECIALISED_D
+from jitkern.ops.embedding import SPECIALISED_D, empty_table
 
 EPS32 = 2.0 ** -23
 GENERIC_D = [d for d in range(1, 301) if d not in SPECIALISED_D]
@@ -191,6 +191,18 @@ def test_backward_rows_up_to_two_to_the_32():
     np.testing.assert_array_equal(drows, want_drows)
     with pytest.raises(ValueError, match="2\\*\\*32 rows"):
         embedding_bag_backward(idx, off, dout, 2**32 + 1)
+
+
+@pytest.mark.parametrize("rows", [3, 300_000])  # below and above the huge-page threshold (16 MiB)
+def test_empty_table_is_a_plain_writeable_table(rows):
+    w = empty_table(rows, 16)
+    assert w.shape == (rows, 16) and w.dtype == np.float32
+    assert w.flags.c_contiguous and w.flags.writeable and w.flags.aligned
+    w[:] = np.arange(16, dtype=np.float32)
+    idx, off = np.array([rows - 1, 0, 1], np.int64), np.array([0, 1], np.int64)
+    np.testing.assert_array_equal(embedding_bag_forward(w, idx, off), [np.arange(16), 2 * np.arange(16)])
+    embedding_bag_sgd_(w, idx, off, np.ones((2, 16), np.float32), 0.5)
+    assert (w[rows - 1] == np.arange(16) - 0.5).all() and (w[2:rows - 1] == np.arange(16)).all()
 
 
 def _args():

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from .. import ops
+from ..ops.embedding import empty_table
 
 INTERACTIONS = ("dot", "cat")
 PRECISIONS = ("fp32", "bf16")
@@ -149,7 +150,7 @@ class DLRM:
         self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
 
     def _init_table(self, rs, rows):
-        w = np.empty((rows, self.embedding_dim), np.float32)
+        w = empty_table(rows, self.embedding_dim)  # huge pages where offered: random rows miss the TLB less
         bound = np.sqrt(1.0 / rows)
         for r0 in range(0, rows, _INIT_CHUNK):
             r1 = min(rows, r0 + _INIT_CHUNK)
