@@ -441,7 +441,7 @@ class DistributedDLRM(_model.DLRM):
                 if isinstance(self.emb[t], np.ndarray):
                     np.copyto(self.emb[t], a)
                 elif self.emb[t] is not None:
-                    self.emb[t] = _model._split_table_class().from_float32(a)
+                    self.emb[t] = ops.SplitBF16Table.from_float32(a)
             else:
                 ws, bs = (self.bot_w, self.bot_b) if kind == "bot" else (self.top_w, self.top_b)
                 np.copyto((ws if what == "weight" else bs)[int(idx)], a)
