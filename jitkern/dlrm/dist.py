@@ -342,6 +342,13 @@ class _Plan:
         return out
 
 
+def _into(out, result):
+    """The op's result in `out` (ops that honour out= return it; copy otherwise)."""
+    if result is not out:
+        np.copyto(out, result)
+    return out
+
+
 def _slice_bags(offsets, indices, lo, hi):
     """The bags of samples lo..hi-1 of one table: (offsets (hi-lo,) from 0, indices view)."""
     start = int(offsets[lo]) if lo < len(offsets) else len(indices)
@@ -396,7 +403,7 @@ class DistributedDLRM(_model.DLRM):
     def parameter_bytes(self) -> int:
         """Bytes of the parameters this rank holds (its tables, the replicated ones, the MLPs)."""
         dense = sum(a.nbytes for a in self.bot_w + self.bot_b + self.top_w + self.top_b)
-        return dense + sum(_model._table_nbytes(w) for w in self.emb if w is not None)
+        return dense + sum((w.nbytes if isinstance(w, np.ndarray) else w.hi.nbytes + w.lo.nbytes) for w in self.emb if w is not None)
 
     # ------------------------------------------------------------------ state (collective)
 
@@ -461,7 +468,7 @@ class DistributedDLRM(_model.DLRM):
         with self.timer("bottom_fwd"):
             h = dense
             for w, b, out in zip(self.bot_w, self.bot_b, buf.bot):
-                h = _model._into(out, ops.linear_forward(h, w, b, activation="relu", out=out))
+                h = _into(out, ops.linear_forward(h, w, b, activation="relu", out=out))
                 self.exchange.progress()
             return h
 
@@ -472,11 +479,11 @@ class DistributedDLRM(_model.DLRM):
                 block = plan.fwd_send_blocks[q]
                 for k, t in enumerate(self.owned):
                     off, idx = _slice_bags(offsets[t], indices[t], lo, hi)
-                    _model._into(block[k], ops.embedding_bag_forward(self.emb[t], idx, off, out=block[k]))
+                    _into(block[k], ops.embedding_bag_forward(self.emb[t], idx, off, out=block[k]))
             for k, t in enumerate(self.replicated):
                 off, idx = _slice_bags(offsets[t], indices[t], plan.lo, plan.hi)
                 out = plan.replica_ly[k]
-                _model._into(out, ops.embedding_bag_forward(self.emb[t], idx, off, out=out))
+                _into(out, ops.embedding_bag_forward(self.emb[t], idx, off, out=out))
 
     def _post_grads(self, pending, arrays, final=False):
         """Allreduce gradients as they appear: a bucket's worth or more alone and in place (no
