@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from jitkern.codegen.prefetch import prefetch, prefetch_write
 from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_backward, embedding_bag_forward
 from jitkern.ops import embedding_bag_sgd_, reference
+from jitkern.ops import embedding
 from jitkern.ops.embedding import SPECIALISED_D, empty_table
 
 EPS32 = 2.0 ** -23
@@ -33,6 +34,19 @@ def _bags(rng, num_rows, sizes, hot, index_dtype, last):
 def _tol(abs_sum, length):
     """Float32 summation bound: (n + 2) ulp-units of the sum of absolute terms."""
     return (length + 2) * EPS32 * abs_sum + 1e-30
+
+
+def _force_path(mp, general):
+    """general: the parallel forward and the radix-sorted updates; else the serial forward and the
+    sort-free (hashed) updates, whatever the sizes and thread count would choose."""
+    mp.setattr(embedding, "_serial", lambda work, dim: not general)
+    mp.setattr(embedding, "SMALL_NNZ", -1 if general else 1 << 40)
+
+
+@pytest.fixture(params=["fast", "general"])
+def path(request, monkeypatch):
+    _force_path(monkeypatch, request.param == "general")
+    return request.param
 
 
 @st.composite
@@ -95,6 +109,24 @@ def test_backward_and_updates_match_reference(p):
     np.testing.assert_allclose(got_w, want_w, rtol=1e-4, atol=1e-5 * lr * (1 + abs_drows.max(initial=0)) * longest)
 
 
+@given(problems())
+def test_fast_and_general_paths_agree_bit_for_bit(p):
+    """Serial and parallel forward, hashed and sorted updates: the same sums in the same order."""
+    w, idx, off, dout, kw, _ = p
+    results = []
+    for general in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            _force_path(mp, general)
+            state = np.ones(w.shape[0], np.float32)
+            bf16 = SplitBF16Table.from_float32(w)
+            results.append([embedding_bag_forward(w, idx, off, **kw),
+                            embedding_bag_sgd_(w.copy(), idx, off, dout, 0.3, **kw),
+                            embedding_bag_adagrad_(w.copy(), state, idx, off, dout, 0.3, **kw), state,
+                            embedding_bag_sgd_(bf16, idx, off, dout, 0.3, **kw).to_float32()])
+    for fast, general in zip(*results):
+        np.testing.assert_array_equal(fast.view(np.uint32), general.view(np.uint32))
+
+
 @pytest.mark.parametrize("dim", SPECIALISED_D)
 def test_specialised_widths(dim):
     """The compile-time-D kernels (vector row ops, stack accumulator) agree with the reference."""
@@ -138,7 +170,7 @@ def test_bf16_split_sgd_equals_fp32_sgd_bit_for_bit(dim):
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
-def test_parallel_update_is_deterministic_and_thread_count_independent():
+def test_parallel_update_is_deterministic_and_thread_count_independent(path):
     rng = np.random.default_rng(7)
     w0 = rng.standard_normal((5000, 37)).astype(np.float32)
     idx, off = _bags(rng, 5000, [20] * 300, True, np.int64, False)
@@ -159,7 +191,7 @@ def test_parallel_update_is_deterministic_and_thread_count_independent():
         np.testing.assert_array_equal(s, results[0][1])
 
 
-def test_empty_bags_and_batches():
+def test_empty_bags_and_batches(path):
     w = np.arange(12, dtype=np.float32).reshape(4, 3)
     off = np.array([0, 0, 2, 2], np.int64)
     idx = np.array([1, 1], np.int64)
@@ -214,7 +246,7 @@ def _args():
 
 
 @pytest.mark.parametrize("bad", [10, -1, 2**40])
-def test_out_of_range_index_names_argument_position_value_and_changes_nothing(bad):
+def test_out_of_range_index_names_argument_position_value_and_changes_nothing(bad, path):
     w, idx, off, dout = _args()
     idx[3] = bad
     w0 = w.copy()
@@ -241,7 +273,7 @@ def test_out_of_range_index_names_argument_position_value_and_changes_nothing(ba
     ([0, 2, 4], True, "last offset must equal"),
     ([], True, "B \\+ 1"),
 ])
-def test_bad_offsets(offsets, last, match):
+def test_bad_offsets(offsets, last, match, path):
     w, idx, _, _ = _args()
     w0 = w.copy()
     off = np.array(offsets, np.int64)

@@ -23,6 +23,7 @@ import mmap
 import operator
 import threading
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange
@@ -36,6 +37,8 @@ from .optim import SplitBF16Table, as_float32, as_uint32, widen
 SPECIALISED_D = (16, 32, 64, 128)  # widths that get a compile-time-D kernel
 UPDATE_PREFETCH = 16               # row groups the updates prefetch (for writing) ahead
 _RADIX_BITS = 12                   # digit width of the radix sort (4096-entry histogram)
+SERIAL_WORK = 1 << 14              # nnz * D up to which a call runs serially even with several threads
+SMALL_NNZ = 8192                   # indices up to which the fused updates group rows by hashing, not sorting
 _CHUNKS = 64                       # work units per call: bag chunks (forward), row-group parts (updates)
 _MODES = ("sum", "mean")
 _I32, _I64, _F32DT = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
@@ -193,6 +196,13 @@ def _check_bags(indices, offsets, nbags, num_rows, last):
     return 0, 0, 0
 
 
+@jit()
+def _validate_bags(indices, offsets, nbags, num_rows, last):
+    """_check_bags as a call of its own: inlined next to a serial gather loop, it made LLVM compile
+    that loop ~5x slower (measured: 41 us instead of 8 us at 2048 rows, D=16)."""
+    return _check_bags(indices, offsets, nbags, num_rows, last)
+
+
 def _raise_bag_error(code, pos, val, table, num_rows, nnz):
     if code == 1:
         raise ValueError(f"offsets[0] must be 0, got {val}")
@@ -284,16 +294,39 @@ def _prefetch_distance(row_bytes):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_kernel(dclass, bf16):
+def _forward_kernel(dclass, bf16, serial):
     """get_kernel, memoised here too: its per-call config read costs ~20 us, and the DLRM calls
     these ops once per table per step (JITKERN_DEBUG logs the first choice of each spec only)."""
     pf = _prefetch_distance(dclass * (2 if bf16 else 4)) if dclass else 16  # one generic kernel per dtype
-    return get_kernel(KernelSpec.make("embedding_bag_forward", D=dclass, bf16=bf16, pf=pf))
+    return get_kernel(KernelSpec.make("embedding_bag_forward", D=dclass, bf16=bf16, pf=pf, serial=serial))
 
 
 @functools.lru_cache(maxsize=None)
-def _update_kernel(dclass, kind):
-    return get_kernel(KernelSpec.make("embedding_bag_update", D=dclass, pf=UPDATE_PREFETCH, kind=kind))
+def _update_kernel(dclass, kind, small):
+    op = "embedding_bag_update_small" if small else "embedding_bag_update"
+    return get_kernel(KernelSpec.make(op, D=dclass, pf=UPDATE_PREFETCH, kind=kind))
+
+
+def _num_threads() -> int:
+    """numba.get_num_threads() (this thread's setting), through the threading layer's C getter once
+    that is launched: the public call costs ~0.65 us, 6% of a small forward."""
+    global _get_threads
+    if _get_threads is numba.get_num_threads:
+        from numba.np.ufunc import parallel
+        n = numba.get_num_threads()  # launches the threading layer
+        _get_threads = getattr(parallel, "_get_num_threads", numba.get_num_threads)
+        return n
+    return _get_threads()
+
+
+_get_threads = numba.get_num_threads
+
+
+def _serial(work: int, dim: int) -> bool:
+    """Whether the forward runs on the calling thread: one thread, or too little work to pay for
+    starting others (~1.5 us). Rows wider than 64 stay parallel: serially compiled, their gather
+    is ~2x slower (measured at D=128, pooling 1; numba marks parallel bodies' arrays noalias)."""
+    return dim <= 64 and (work <= SERIAL_WORK or _num_threads() == 1)
 
 
 def _d_class(d: int) -> int:
@@ -348,6 +381,26 @@ def _pool_bag(acc, weight, indices, psw, s, e, nnz, pf, row_bytes, D, DC, weight
         _madd_row(acc, 0, weight, indices[u], psw[u] if weighted else np.float32(1.0), D, DC, j == s)
 
 
+@jit(inline="always")
+def _pool_bags(weight, indices, offsets, psw, mean, last, out, b0, b1, D, DC, PF, ITEM):
+    """out[b] = the pooled rows of bag b, for the bags b0 <= b < b1 (one work unit of the forward)."""
+    nbags, nnz = out.shape[0], indices.shape[0]
+    has_psw = psw.shape[0] > 0
+    acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
+    for b in range(b0, b1):
+        s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
+        if has_psw:  # two copies of the row loop, so the common unweighted one has no per-row test
+            _pool_bag(acc, weight, indices, psw, s, e, nnz, PF, D * ITEM, D, DC, True)
+        else:
+            _pool_bag(acc, weight, indices, psw, s, e, nnz, PF, D * ITEM, D, DC, False)
+        if e > s:
+            inv = np.float32(1.0) / np.float32(e - s) if mean else np.float32(1.0)
+            _madd_row(out, b, acc, 0, inv, D, DC, True)
+        else:
+            for d in range(D):
+                out[b, d] = 0.0
+
+
 @kernel_factory("embedding_bag_forward")
 def _forward_factory(spec):
     DC, PF = spec["D"], spec["pf"]
@@ -361,24 +414,25 @@ def _forward_factory(spec):
         if code:
             return code, bad, value
         D = DC if DC else out.shape[1]
-        nnz = indices.shape[0]
-        has_psw = psw.shape[0] > 0
         for c in prange(nchunks):
-            acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
-            for b in range(c * nbags // nchunks, (c + 1) * nbags // nchunks):
-                s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
-                if has_psw:  # two copies of the row loop, so the common unweighted one has no per-row test
-                    _pool_bag(acc, weight, indices, psw, s, e, nnz, PF, D * ITEM, D, DC, True)
-                else:
-                    _pool_bag(acc, weight, indices, psw, s, e, nnz, PF, D * ITEM, D, DC, False)
-                if e > s:
-                    inv = np.float32(1.0) / np.float32(e - s) if mean else np.float32(1.0)
-                    _madd_row(out, b, acc, 0, inv, D, DC, True)
-                else:
-                    for d in range(D):
-                        out[b, d] = 0.0
+            _pool_bags(weight, indices, offsets, psw, mean, last, out, c * nbags // nchunks,
+                       (c + 1) * nbags // nchunks, D, DC, PF, ITEM)
         return 0, 0, 0
-    return forward
+
+    @jit()
+    def pool(weight, indices, offsets, psw, mean, last, out):
+        _pool_bags(weight, indices, offsets, psw, mean, last, out, 0, out.shape[0], DC if DC else out.shape[1],
+                   DC, PF, ITEM)
+
+    @jit()
+    def forward_serial(weight, indices, offsets, psw, mean, last, nchunks, out):
+        # the same on the calling thread: starting a parallel region costs ~1.5 us, 10-15% of a small call
+        code, bad, value = _validate_bags(indices, offsets, out.shape[0], weight.shape[0], last)
+        if code:
+            return code, bad, value
+        pool(weight, indices, offsets, psw, mean, last, out)
+        return 0, 0, 0
+    return forward_serial if spec["serial"] else forward
 
 
 def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_weights=None,
@@ -398,7 +452,7 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
             raise ValueError(f"out must be a writeable ({nbags}, {D}) array, got shape {out.shape}")
         if not (out.flags.c_contiguous and out.flags.aligned):  # a strided view: pool, then copy in
             dest = np.empty((nbags, D), np.float32)
-    kern = _forward_kernel(_d_class(D), bf16)
+    kern = _forward_kernel(_d_class(D), bf16, _serial(indices.shape[0] * D, D))
     # contiguous chunks of bags, spread over the threads by prange (independent of the thread count)
     code, pos, val = kern(w, indices, offsets, psw, mean, bool(include_last_offset), min(_CHUNKS, nbags), dest)
     if code:
@@ -494,11 +548,92 @@ def _plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts, work, fwor
     return (code, bad, value), rows, sbag, sscale, group, parts
 
 
+@jit(inline="always")
+def _apply_row(table, lo, state, r, acc, a, lr, eps, D, DC, SGD, BF16):
+    """Row r of the table takes its coalesced gradient acc[a]: SGD, bf16 Split-SGD or row-wise Adagrad."""
+    if SGD:
+        _madd_row(table, r, acc, a, -lr, D, DC, False)  # w + (-lr * g): exactly w - lr * g
+    elif BF16:
+        for d in range(D):
+            w = as_float32((np.uint32(table[r, d]) << np.uint32(16)) | np.uint32(lo[r, d]))
+            bits = as_uint32(w - lr * acc[a, d])
+            table[r, d] = np.uint16(bits >> np.uint32(16))
+            lo[r, d] = np.uint16(bits & np.uint32(0xFFFF))
+    else:
+        ss = 0.0
+        for d in range(D):
+            ss += np.float64(acc[a, d]) * np.float64(acc[a, d])
+        s_new = np.float32(state[r] + ss / D)
+        state[r] = s_new
+        step = np.float32(lr / (math.sqrt(np.float64(s_new)) + eps))
+        _madd_row(table, r, acc, a, -step, D, DC, False)
+
+
+@kernel_factory("embedding_bag_update_small")
+def _small_update_factory(spec):
+    DC, PF, kind = spec["D"], spec["pf"], spec["kind"]
+    ITEM = 2 if kind == "sgd_bf16" else 4
+    SGD, BF16 = kind == "sgd", kind == "sgd_bf16"
+
+    @jit(fastmath=frozenset())
+    def apply(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, slots, urows, acc):
+        # Serial, sort-free: an open-addressing hash (slots: group ids, -1 for empty)
+        # numbers the distinct rows in order of first occurrence; acc[g] (nnz, D) sums group g's
+        # gradient in position order (set at its first occurrence, then added), exactly as the
+        # sorted path does, then each row is updated once.
+        nbags, nnz = dout.shape[0], indices.shape[0]
+        D = DC if DC else dout.shape[1]
+        bits = 1
+        while (np.int64(1) << bits) < 2 * nnz:  # the table: the first 2**bits >= 2 nnz slots
+            bits += 1
+        shift = np.uint64(64 - bits)
+        hmask = np.uint64((np.int64(1) << bits) - 1)
+        slots[:np.int64(1) << bits] = -1
+        has_psw = psw.shape[0] > 0
+        far = np.uint64(max(nnz - 1, 0))
+        ngroups = 0
+        for b in range(nbags):
+            s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
+            inv = np.float32(1.0) / np.float32(e - s) if mean and e > s else np.float32(1.0)
+            for j in range(s, e):
+                u = np.uint64(j)
+                ahead = indices[min(u + np.uint64(PF), far)]  # warm the rows the update will write
+                _prefetch_row(table, ahead, D * ITEM, True)
+                if BF16:
+                    _prefetch_row(lo, ahead, D * ITEM, True)
+                r = np.int64(indices[u])
+                h = (np.uint64(r) * np.uint64(0x9E3779B97F4A7C15)) >> shift  # Fibonacci hashing
+                while True:
+                    g = slots[h]
+                    if g < 0 or urows[g] == r:
+                        break
+                    h = (h + np.uint64(1)) & hmask
+                first = g < 0
+                if first:
+                    g = ngroups
+                    slots[h] = np.int32(g)
+                    urows[g] = r
+                    ngroups += 1
+                sc = (psw[u] if has_psw else np.float32(1.0)) * inv
+                _madd_row(acc, g, dout, b, sc, D, DC, first)
+        for g in range(ngroups):
+            _apply_row(table, lo, state, urows[g], acc, g, lr, eps, D, DC, SGD, BF16)
+
+    @jit(fastmath=frozenset())  # strict IEEE, as the sorted path: both give the same bits
+    def update_small(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, slots, urows, acc):
+        code, bad, value = _validate_bags(indices, offsets, dout.shape[0], table.shape[0], last)
+        if code:
+            return code, bad, value
+        apply(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, slots, urows, acc)
+        return 0, 0, 0
+    return update_small
+
+
 @kernel_factory("embedding_bag_update")
 def _update_factory(spec):
     DC, PF, kind = spec["D"], spec["pf"], spec["kind"]
     ITEM = 2 if kind == "sgd_bf16" else 4
-    GRAD, SGD, BF16, ADAGRAD = (kind == k for k in _UPDATES)
+    GRAD, SGD, BF16, _ = (kind == k for k in _UPDATES)
 
     @jit(parallel=True, fastmath=frozenset())  # strict IEEE: bf16 and fp32 SGD round identically
     def update(rows, sbag, sscale, group, parts, dout, lr, eps, table, lo, state, drows):
@@ -520,22 +655,8 @@ def _update_factory(spec):
                 r = rows[group[g]]
                 if GRAD:
                     _madd_row(drows, g, acc, 0, np.float32(1.0), D, DC, True)
-                elif SGD:
-                    _madd_row(table, r, acc, 0, -lr, D, DC, False)  # w + (-lr * g): exactly w - lr * g
-                elif BF16:
-                    for d in range(D):
-                        w = as_float32((np.uint32(table[r, d]) << np.uint32(16)) | np.uint32(lo[r, d]))
-                        bits = as_uint32(w - lr * acc[0, d])
-                        table[r, d] = np.uint16(bits >> np.uint32(16))
-                        lo[r, d] = np.uint16(bits & np.uint32(0xFFFF))
                 else:
-                    ss = 0.0
-                    for d in range(D):
-                        ss += np.float64(acc[0, d]) * np.float64(acc[0, d])
-                    s_new = np.float32(state[r] + ss / D)
-                    state[r] = s_new
-                    step = np.float32(lr / (math.sqrt(np.float64(s_new)) + eps))
-                    _madd_row(table, r, acc, 0, -step, D, DC, False)
+                    _apply_row(table, lo, state, r, acc, 0, lr, eps, D, DC, SGD, BF16)
     return update
 
 
@@ -555,6 +676,21 @@ def _scratch(n):
     return buf[:6 * n].reshape(6, n), buf[6 * n:7 * n].view(np.float32)[:n]
 
 
+def _small_scratch(nnz, dim):
+    """Per-thread, grow-only scratch of the sort-free update, per width (see _scratch for why it is
+    kept): slots (>= 2 nnz, a power of two) int32, urows (>= nnz,) int64, acc (>= nnz, dim) float32.
+    Whole arrays, no views: the kernel uses their first entries (views cost ~1 us a call here)."""
+    cache = getattr(_SCRATCH, "small", None)
+    if cache is None:
+        cache = _SCRATCH.small = {}
+    bufs = cache.get(dim)
+    if bufs is None or bufs[1].shape[0] < nnz:
+        n = max(nnz, 2 * (0 if bufs is None else bufs[1].shape[0]), 64)
+        bufs = cache[dim] = (np.empty(1 << (2 * n - 1).bit_length(), np.int32), np.empty(n, np.int64),
+                             np.empty((n, dim), np.float32))
+    return bufs
+
+
 def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr, eps, mode,
                    per_sample_weights, include_last_offset, table_name):
     """Validate, plan and run one sparse kernel; returns (rows, drows) for kind "grad"."""
@@ -570,6 +706,16 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
     if num_rows > 1 << 32 or nnz >= 1 << 32:  # the plan packs a row and a position into one int64
         raise ValueError(f"embedding updates support up to 2**32 rows and indices, got {num_rows} rows, "
                          f"{nnz} indices")
+    lo = _NO_LO if lo is None else lo
+    state = _NO_STATE if state is None else state
+    if kind != "grad" and nnz <= SMALL_NNZ:
+        slots, urows, acc = _small_scratch(nnz, D)
+        code, pos, val = _update_kernel(_d_class(D), kind, True)(
+            indices, offsets, psw, mean, bool(include_last_offset), dout, np.float32(lr), np.float64(eps),
+            table, lo, state, slots, urows, acc)
+        if code:
+            _raise_bag_error(code, pos, val, table_name, num_rows, nnz)
+        return None
     work, fwork = _scratch(nnz + 1)
     err, rows, sbag, sscale, group, parts = _plan(indices, offsets, psw, nbags, num_rows, bool(include_last_offset),
                                                   mean, max(1, min(_CHUNKS, nnz)), work, fwork)
@@ -578,10 +724,9 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
     ngroups = group.shape[0] - 1
     drows = np.empty((ngroups, D), np.float32) if kind == "grad" else _NO_ROWS
     if ngroups and D:
-        _update_kernel(_d_class(D), kind)(
+        _update_kernel(_d_class(D), kind, False)(
             rows, sbag, sscale, group, parts, dout, np.float32(lr), np.float64(eps),
-            drows if table is None else table, _NO_LO if lo is None else lo, _NO_STATE if state is None else state,
-            drows)
+            drows if table is None else table, lo, state, drows)
     return (rows[group[:-1]], drows) if kind == "grad" else None
 
 
