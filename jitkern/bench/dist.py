@@ -179,8 +179,8 @@ def main(argv=None) -> int:
     print("eff = step(P=1) / step(P) at a fixed per-rank batch; speedup = step(P=1) / step(P) at a fixed global "
           "batch; medians over rounds that alternate the P-rank model with the one-process model (on rank 0 of "
           "the same job, the other ranks asleep), so both see the same machine; comm columns are per step on "
-          "rank 0; cpu share: the lowest CPU-time / wall-time of a rank while timed (< 0.95: other processes "
-          "took CPU from a rank, so that row is slowed by the machine, not by jitkern).")
+          "rank 0; cpu share: the lowest CPU-time / wall-time of a rank while timed (a hint, not proof: "
+          "well below 1 usually means other processes took CPU from a rank; rerun on an idle machine).")
     if comm_rows:
         print("\nexchanges per step on rank 0 (link ms: bytes and latency on the measured link; exposed: time in "
               "MPI calls, incl. waiting for the other ranks; hidden: link time covered by compute):")
