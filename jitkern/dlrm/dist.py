@@ -371,6 +371,7 @@ class DistributedDLRM(_model.DLRM):
         self.exchange = Exchange(comm)
         self._plans: dict[int, _Plan] = {}
         self._replica_grads: dict[int, np.ndarray] = {}
+        self._bucket: list | None = None   # gradients waiting for an allreduce bucket (backward only)
         super().__init__(*args, comm=comm, **kwargs)
 
     # ------------------------------------------------------------------ construction
@@ -463,15 +464,6 @@ class DistributedDLRM(_model.DLRM):
             plan = self._plans[batch] = _Plan(self, batch)
         return plan
 
-    def bottom_forward(self, dense, buf):
-        """Bottom MLP on this rank's slice, letting the posted alltoall progress between layers."""
-        with self.timer("bottom_fwd"):
-            h = dense
-            for w, b, out in zip(self.bot_w, self.bot_b, buf.bot):
-                h = _into(out, ops.linear_forward(h, w, b, activation="relu", out=out))
-                self.exchange.progress()
-            return h
-
     def embedding_forward(self, offsets, indices, plan):
         """My tables on every rank's slice into the send blocks; replicated tables on my slice."""
         with self.timer("embedding_fwd"):
@@ -512,16 +504,20 @@ class DistributedDLRM(_model.DLRM):
                 self._post_grads(pending, [dw, db])
             return dy, grads
 
+    def bottom_layer_done(self, grads):
+        """Between bottom layers: let posted exchanges progress; in backward, bucket the layer's grads."""
+        if grads is None:
+            self.exchange.progress()
+        else:
+            l, dw, db = grads
+            self._post_grads(self._bucket, [dw, db], final=l == 0)
+
     def bottom_backward(self, dx, dense, buf, pending):
-        with self.timer("bottom_bwd"):
-            dy = dx
-            grads = [None] * len(self.bot_w)
-            for l in range(len(self.bot_w) - 1, -1, -1):
-                x = dense if l == 0 else buf.bot[l - 1]
-                dy, dw, db = ops.linear_backward(dy, x, self.bot_w[l], buf.bot[l], activation="relu")
-                grads[l] = (dw, db)
-                self._post_grads(pending, [dw, db], final=l == 0)
-            return grads
+        self._bucket = pending
+        try:
+            return super().bottom_backward(dx, dense, buf)
+        finally:
+            self._bucket = None
 
     def _replica_backward(self, offsets, indices, dly, plan):
         """Dense gradients (R, D) of the replicated tables from my slice (summed over ranks later)."""

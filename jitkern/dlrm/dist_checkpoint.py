@@ -23,6 +23,8 @@ import zlib
 
 import numpy as np
 
+from .atomic import atomic_write, fsync_dir
+
 FORMAT = "jitkern-dlrm-sharded"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -36,27 +38,10 @@ def _crc(a: np.ndarray) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"))
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_array(path: str, a: np.ndarray) -> dict:
     """Atomically write one .npy file; -> its manifest entry (without the file name)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path) as f:
+        np.lib.format.write_array(f, np.ascontiguousarray(a), allow_pickle=False)
     return {"shape": list(a.shape), "dtype": str(a.dtype), "crc32": _crc(a)}
 
 
@@ -92,19 +77,14 @@ def save_checkpoint(path: str, model, meta: dict, arch: dict) -> None:
     for name, a in _local_arrays(model).items():
         rel = os.path.join(gen, f"{name}.npy")
         entries[name] = dict(_write_array(os.path.join(path, rel), a), file=rel)
-    _fsync_dir(os.path.join(path, gen))
+    fsync_dir(os.path.join(path, gen))
     parts = [entries] if comm is None else comm.gather(entries, root=0)
     if rank == 0:
         arrays = {k: v for part in parts for k, v in part.items()}
         manifest = {"format": FORMAT, "version": VERSION, "ranks": 1 if comm is None else comm.Get_size(),
                     "arch": arch, "meta": meta, "arrays": arrays}
-        tmp = os.path.join(path, f"{MANIFEST}.tmp{os.getpid()}")
-        with open(tmp, "w") as f:
+        with atomic_write(os.path.join(path, MANIFEST), "w") as f:
             json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, MANIFEST))
-        _fsync_dir(path)
         for old in os.listdir(path):          # earlier generations and leftovers of failed saves
             if old.startswith("gen-") and old != gen:
                 shutil.rmtree(os.path.join(path, old), ignore_errors=True)

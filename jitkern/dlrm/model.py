@@ -289,6 +289,7 @@ class DLRM:
             h = dense
             for w, b, out in zip(self.bot_w, self.bot_b, buf.bot):
                 h = _into(out, ops.linear_forward(h, w, b, activation="relu", out=out))
+                self.bottom_layer_done(None)
             return h
 
     def embedding_forward(self, offsets, indices, buf):
@@ -357,7 +358,12 @@ class DLRM:
                 dy, dw, db = ops.linear_backward(dy, x, self.bot_w[l], buf.bot[l], activation="relu",
                                                  need_dx=l > 0)
                 grads[l] = (dw, db)
+                self.bottom_layer_done((l, dw, db))
             return grads
+
+    def bottom_layer_done(self, grads) -> None:
+        """Called after each bottom layer (grads=None forward; (layer, dw, db) backward): a hook for
+        the distributed model to progress its communication between layers."""
 
     def embedding_update(self, offsets, indices, dly, lr):
         """Fused sparse backward + SGD per table: w[rows] -= lr * coalesced grad."""

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .atomic import atomic_write
 from .metrics import evaluate_scores
 from .model import DLRM, StageTimer
 
@@ -108,36 +109,22 @@ def save_checkpoint(path: str, model: DLRM, meta: dict) -> None:
                         "nbytes": a.nbytes})
         offset += -(-a.nbytes // _ALIGN) * _ALIGN
     header = {"arch": model_arch(model), "meta": meta, "arrays": entries, "data_bytes": offset}
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            crcs = []
-            # header is written twice: a placeholder now, the one with checksums at the end
-            f.write(b"\0" * 16)
-            for a in sd.values():
-                mv = memoryview(np.ascontiguousarray(a)).cast("B")
-                crcs.append(zlib.crc32(mv))
-                f.write(mv)
-                f.write(b"\0" * (-(-a.nbytes // _ALIGN) * _ALIGN - a.nbytes))
-            for e, c in zip(entries, crcs):
-                e["crc32"] = c
-            blob = json.dumps(header).encode()
-            f.write(blob)
-            f.write(_END + struct.pack("<QQ", offset, len(blob)))
-            f.seek(0)
-            f.write(_MAGIC)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dirfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dirfd)
-    finally:
-        os.close(dirfd)
+    with atomic_write(path) as f:
+        crcs = []
+        # header is written twice: a placeholder now, the one with checksums at the end
+        f.write(b"\0" * 16)
+        for a in sd.values():
+            mv = memoryview(np.ascontiguousarray(a)).cast("B")
+            crcs.append(zlib.crc32(mv))
+            f.write(mv)
+            f.write(b"\0" * (-(-a.nbytes // _ALIGN) * _ALIGN - a.nbytes))
+        for e, c in zip(entries, crcs):
+            e["crc32"] = c
+        blob = json.dumps(header).encode()
+        f.write(blob)
+        f.write(_END + struct.pack("<QQ", offset, len(blob)))
+        f.seek(0)
+        f.write(_MAGIC)
 
 
 def read_checkpoint_header(path: str) -> dict:
