@@ -1,0 +1,92 @@
+"""Row-vector intrinsics for embedding kernels: whole-row <n x float> ops with compile-time n.
+
+With D a compile-time constant, the accumulator lives in a stack array of D floats that LLVM
+promotes to vector registers, and each row is added by one <D x float> operation (a heap
+array would be kept in memory: LLVM cannot prove it does not alias the table). Rows may be
+float32 or bf16 bits (uint16, shifted into the high half on load).
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+_F32 = ir.FloatType()
+
+
+@intrinsic
+def stack_f32(typingctx, n):
+    """A (1, n) float32 scratch array with compile-time n, on the stack (promoted to registers)."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    size = max(n.literal_value, 1)
+    arrty = types.Array(types.float32, 2, "C")
+
+    def codegen(context, builder, sig, args):
+        ptr = cgutils.alloca_once(builder, _F32, size=size)
+        ary = context.make_array(arrty)(context, builder)
+        intp = context.get_value_type(types.intp)
+        context.populate_array(ary, data=ptr, shape=[ir.Constant(intp, 1), ir.Constant(intp, size)],
+                               strides=[ir.Constant(intp, 4 * size), ir.Constant(intp, 4)],
+                               itemsize=ir.Constant(intp, 4), meminfo=None)
+        return ary._getvalue()
+    return arrty(n), codegen
+
+
+def _is_table(a, dtypes=(types.float32, types.uint16)):
+    """A 2-D C-contiguous array (rows are dense: the row ops load and store whole vectors)."""
+    return isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype in dtypes
+
+
+def _row_ptr(context, builder, aryty, ary, rowty, row):
+    a = context.make_array(aryty)(context, builder, ary)
+    stride0 = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+    return cgutils.pointer_add(builder, a.data, builder.mul(context.cast(builder, row, rowty, types.intp), stride0))
+
+
+def _load_row(builder, ptr, dtype, n):
+    """<n x float> from a float32 row, or from a uint16 row of bf16 bits (shifted into the high half)."""
+    if dtype == types.uint16:
+        raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), n).as_pointer()), align=2)
+        i32 = ir.VectorType(ir.IntType(32), n)
+        return builder.bitcast(builder.shl(builder.zext(raw, i32), ir.Constant(i32, [16] * n)),
+                               ir.VectorType(_F32, n))
+    return builder.load(builder.bitcast(ptr, ir.VectorType(_F32, n).as_pointer()), align=4)
+
+
+def _splat(context, builder, value, valty, n):
+    vec = ir.VectorType(_F32, n)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), context.cast(builder, value, valty, types.float32),
+                                 ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+
+
+def _row_op(accumulate):
+    """dst[i, :n] (+)= scale * src[j, :n] as whole <n x float> operations (plain IEEE mul and add)."""
+    def impl(typingctx, dst, i, src, j, scale, n):
+        if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,)) and _is_table(src)
+                and isinstance(scale, (types.Float, types.Integer))):
+            return None
+        size = n.literal_value
+
+        def codegen(context, builder, sig, args):
+            if size == 0:  # the generic kernel's never-taken branch
+                return context.get_dummy_value()
+            dsty, ity, srcty, jty, sty, _ = sig.args
+            dptr = builder.bitcast(_row_ptr(context, builder, dsty, args[0], ity, args[1]),
+                                   ir.VectorType(_F32, size).as_pointer())
+            val = builder.fmul(_load_row(builder, _row_ptr(context, builder, srcty, args[2], jty, args[3]),
+                                         srcty.dtype, size), _splat(context, builder, args[4], sty, size))
+            if accumulate:
+                val = builder.fadd(builder.load(dptr, align=4), val)
+            builder.store(val, dptr, align=4)
+            return context.get_dummy_value()
+        return types.none(dst, i, src, j, scale, n), codegen
+    return impl
+
+
+row_axpy = intrinsic(_row_op(accumulate=True))
+row_axpy.__doc__ = "dst[i, :n] += scale * src[j, :n] (src float32 or bf16 bits), n a compile-time constant."
+row_set = intrinsic(_row_op(accumulate=False))
+row_set.__doc__ = "dst[i, :n] = scale * src[j, :n] (src float32 or bf16 bits), n a compile-time constant."
