@@ -492,30 +492,24 @@ class DistributedDLRM(_model.DLRM):
 
     def top_backward(self, dlogits, z, buf, pending):
         """Top MLP backward, each layer's gradients queued for the allreduce as soon as they exist."""
-        with self.timer("top_bwd"):
-            dy = dlogits.reshape(-1, 1)
-            grads = [None] * len(self.top_w)
-            last = len(self.top_w) - 1
-            for l in range(last, -1, -1):
-                x = z if l == 0 else buf.top[l - 1]
-                act = None if l == last else "relu"
-                dy, dw, db = ops.linear_backward(dy, x, self.top_w[l], buf.top[l], activation=act)
-                grads[l] = (dw, db)
-                self._post_grads(pending, [dw, db])
-            return dy, grads
+        return self._with_bucket(pending, super().top_backward, dlogits, z, buf)
 
-    def bottom_layer_done(self, grads):
-        """Between bottom layers: let posted exchanges progress; in backward, bucket the layer's grads."""
+    def layer_done(self, mlp, grads):
+        """Between MLP layers: let posted exchanges progress; in backward, bucket the layer's grads
+        (the bottom MLP's first layer is the last to finish: it flushes the bucket)."""
         if grads is None:
             self.exchange.progress()
         else:
             l, dw, db = grads
-            self._post_grads(self._bucket, [dw, db], final=l == 0)
+            self._post_grads(self._bucket, [dw, db], final=mlp == "bottom" and l == 0)
 
     def bottom_backward(self, dx, dense, buf, pending):
+        return self._with_bucket(pending, super().bottom_backward, dx, dense, buf)
+
+    def _with_bucket(self, pending, stage, *args):
         self._bucket = pending
         try:
-            return super().bottom_backward(dx, dense, buf)
+            return stage(*args)
         finally:
             self._bucket = None
 

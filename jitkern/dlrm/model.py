@@ -289,7 +289,7 @@ class DLRM:
             h = dense
             for w, b, out in zip(self.bot_w, self.bot_b, buf.bot):
                 h = _into(out, ops.linear_forward(h, w, b, activation="relu", out=out))
-                self.bottom_layer_done(None)
+                self.layer_done("bottom", None)
             return h
 
     def embedding_forward(self, offsets, indices, buf):
@@ -339,6 +339,7 @@ class DLRM:
                 act = None if l == last else "relu"
                 dy, dw, db = ops.linear_backward(dy, x, self.top_w[l], buf.top[l], activation=act)
                 grads[l] = (dw, db)
+                self.layer_done("top", (l, dw, db))
             return dy, grads
 
     def interaction_backward(self, dz, x, ly):
@@ -358,12 +359,12 @@ class DLRM:
                 dy, dw, db = ops.linear_backward(dy, x, self.bot_w[l], buf.bot[l], activation="relu",
                                                  need_dx=l > 0)
                 grads[l] = (dw, db)
-                self.bottom_layer_done((l, dw, db))
+                self.layer_done("bottom", (l, dw, db))
             return grads
 
-    def bottom_layer_done(self, grads) -> None:
-        """Called after each bottom layer (grads=None forward; (layer, dw, db) backward): a hook for
-        the distributed model to progress its communication between layers."""
+    def layer_done(self, mlp: str, grads) -> None:
+        """Called after each MLP layer ("bottom" or "top"; grads None in forward, (layer, dw, db) in
+        backward): a hook for the distributed model to progress and bucket its communication."""
 
     def embedding_update(self, offsets, indices, dly, lr):
         """Fused sparse backward + SGD per table: w[rows] -= lr * coalesced grad."""
