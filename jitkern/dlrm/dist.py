@@ -581,11 +581,7 @@ class DistributedDLRM(_model.DLRM):
 
     def train_step(self, dense, offsets, indices, labels, lr, *, check=True) -> float:
         """Collective: one SGD step on the global batch; returns the global batch-mean loss on every rank."""
-        if check:
-            self.check_batch(dense, offsets, indices, labels)
-        lr = float(lr)
-        if not np.isfinite(lr):
-            raise ValueError(f"lr must be finite, got {lr}")
+        lr = self._check_step(dense, offsets, indices, labels, lr, check)
         ex = self.exchange
         before = self._comm_totals()
         plan = self._plan(dense.shape[0])

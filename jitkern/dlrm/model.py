@@ -394,13 +394,18 @@ class DLRM:
         _, probs = self.loss_forward(logits, buf.zero_labels)
         return probs
 
-    def train_step(self, dense, offsets, indices, labels, lr, *, check=True) -> float:
-        """Forward, backward and SGD update of every parameter; returns the batch-mean BCE loss."""
+    def _check_step(self, dense, offsets, indices, labels, lr, check) -> float:
+        """Validate a training batch (unless check=False) and the learning rate; -> lr as float."""
         if check:
             self.check_batch(dense, offsets, indices, labels)
         lr = float(lr)
         if not np.isfinite(lr):
             raise ValueError(f"lr must be finite, got {lr}")
+        return lr
+
+    def train_step(self, dense, offsets, indices, labels, lr, *, check=True) -> float:
+        """Forward, backward and SGD update of every parameter; returns the batch-mean BCE loss."""
+        lr = self._check_step(dense, offsets, indices, labels, lr, check)
         buf = self._buffers_for(dense.shape[0])
         x = self.bottom_forward(dense, buf)
         ly = self.embedding_forward(offsets, indices, buf)
