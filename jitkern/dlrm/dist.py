@@ -47,6 +47,7 @@ def comm_from_env():
 
 _FAULT_STATE = {}
 EXIT_GRACE_S = 10.0      # how long a rank at exit waits for the others before aborting the job
+ABORT_DRAIN_S = 0.2      # how long a failing rank lets its stderr be forwarded before aborting
 
 
 def describe_ranks() -> str:
@@ -76,9 +77,13 @@ def install_fault_handlers(comm) -> None:
     previous_hook = sys.excepthook
 
     def excepthook(kind, value, tb):
-        previous_hook(kind, value, tb)
+        # the naming line first: mpiexec may drop a dying rank's last output while it tears
+        # the job down, and a short pause lets its I/O forwarding drain before the abort
         sys.stderr.write(f"jitkern: rank {rank} of {size} failed: {kind.__name__}: {value}; aborting all ranks\n")
         sys.stderr.flush()
+        previous_hook(kind, value, tb)
+        sys.stderr.flush()
+        time.sleep(ABORT_DRAIN_S)
         comm.Abort(1)
 
     sys.excepthook = excepthook
