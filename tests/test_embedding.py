@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jitkern.codegen.prefetch import prefetch, prefetch_write
 from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_backward, embedding_bag_forward
 from jitkern.ops import embedding_bag_sgd_, reference
-from jitkern.ops import embedding
+from jitkern.ops import embedding, embedding_update
 from jitkern.ops.embedding import SPECIALISED_D, empty_table
 
 EPS32 = 2.0 ** -23
@@ -36,16 +36,23 @@ def _tol(abs_sum, length):
     return (length + 2) * EPS32 * abs_sum + 1e-30
 
 
-def _force_path(mp, general):
-    """general: the parallel forward and the radix-sorted updates; else the serial forward and the
-    sort-free (hashed) updates, whatever the sizes and thread count would choose."""
-    mp.setattr(embedding, "_serial", lambda work, dim: not general)
-    mp.setattr(embedding, "SMALL_NNZ", -1 if general else 1 << 40)
+PATHS = ("fast", "general", "hashed-parallel")
 
 
-@pytest.fixture(params=["fast", "general"])
+def _force_path(mp, path):
+    """Whatever the sizes and thread count would choose -- fast: the serial forward and the
+    serially hashed updates; general: the parallel forward and the radix-sorted updates;
+    hashed-parallel: the parallel forward and updates hashed in 3 owner parts."""
+    mp.setattr(embedding, "_serial", lambda work, dim: path == "fast")
+    update = {"fast": "hashed", "general": "sorted", "hashed-parallel": "hashed-parallel"}[path]
+    mp.setattr(embedding_update, "_update_path", lambda nnz, num_rows, threads: update)
+    if path == "hashed-parallel":
+        mp.setattr(embedding_update, "_num_threads", lambda: 3)
+
+
+@pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    _force_path(monkeypatch, request.param == "general")
+    _force_path(monkeypatch, request.param)
     return request.param
 
 
@@ -110,21 +117,23 @@ def test_backward_and_updates_match_reference(p):
 
 
 @given(problems())
-def test_fast_and_general_paths_agree_bit_for_bit(p):
-    """Serial and parallel forward, hashed and sorted updates: the same sums in the same order."""
+def test_all_paths_agree_bit_for_bit(p):
+    """Serial and parallel forward; serially hashed, owner-partitioned hashed and sorted updates:
+    the same sums in the same order."""
     w, idx, off, dout, kw, _ = p
     results = []
-    for general in (False, True):
+    for path in PATHS:
         with pytest.MonkeyPatch.context() as mp:
-            _force_path(mp, general)
+            _force_path(mp, path)
             state = np.ones(w.shape[0], np.float32)
             bf16 = SplitBF16Table.from_float32(w)
             results.append([embedding_bag_forward(w, idx, off, **kw),
                             embedding_bag_sgd_(w.copy(), idx, off, dout, 0.3, **kw),
                             embedding_bag_adagrad_(w.copy(), state, idx, off, dout, 0.3, **kw), state,
                             embedding_bag_sgd_(bf16, idx, off, dout, 0.3, **kw).to_float32()])
-    for fast, general in zip(*results):
-        np.testing.assert_array_equal(fast.view(np.uint32), general.view(np.uint32))
+    for other in results[1:]:
+        for got, want in zip(other, results[0]):
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("dim", SPECIALISED_D)

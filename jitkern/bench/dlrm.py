@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import os
 import statistics
 import sys
 import time
 
-# idle OpenMP workers sleep rather than spin (why: jitkern/dlrm/cli.py); for both implementations
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from ..config import sleep_idle_workers
+
+sleep_idle_workers()  # for both implementations, before either starts its thread pool
 
 import numpy as np  # noqa: E402
 

@@ -35,9 +35,6 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2048, help="batch size N (default 2048)")
     p.add_argument("--min-time", type=float, default=0.4, help="seconds per measurement (default 0.4)")
     args = p.parse_args(argv)
-    # Idle OpenMP workers sleep rather than spin (unless the user chose otherwise): on a shared
-    # machine a spinning worker steals the core its sibling needs; big GEMMs lose nothing by it.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     t_start = time.perf_counter()
     import numba
 

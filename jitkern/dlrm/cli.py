@@ -11,13 +11,9 @@ import os
 import sys
 import time
 
-# Before numba starts its OpenMP pool: idle workers sleep instead of spinning. On a machine with
-# more runnable threads than cores (a shared box, a second job), spinning workers stole the core
-# from the thread doing the work and made 2-thread steps 10-30x slower than 1-thread ones; the
-# cost of sleeping is a few microseconds per parallel region. OMP_WAIT_POLICY=active overrides it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from ..config import sleep_idle_workers
 
-import numpy as np  # noqa: E402
+sleep_idle_workers()  # before numba starts its OpenMP pool
 
 from .synth import RandomData, SyntheticData  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Embedding bags: pooled-gather forward, coalesced sparse backward, fused race-free updates.
+"""Embedding bags: the pooled-gather forward, and the validation and row helpers the sparse
+backward and fused updates (ops/embedding_update.py) share with it.
 
 Layouts follow torch.nn.functional.embedding_bag: weight (R, D) float32 (or a SplitBF16Table),
 flat indices (nnz,) int32/int64, offsets (B,) int64 bag starts (or (B+1,) with
@@ -7,21 +8,12 @@ include_last_offset=True); bag b is indices[offsets[b]:offsets[b+1]], the last r
 Forward: parallel over chunks of bags; for common widths D (SPECIALISED_D) the row loop is one
 <D x float> operation on a register-resident accumulator, other widths run a generic runtime-D
 kernel; rows 16-32 entries ahead are prefetched, since random row reads are latency-bound.
-
-Backward and the fused updates share one plan: a stable LSD radix sort of the (row, position)
-pairs groups duplicates, and the sorted groups are cut into up to _CHUNKS contiguous parts, i.e.
-disjoint row ranges, which prange hands to the threads (row ownership: one thread applies every
-occurrence of its rows, so no atomics). A row's gradient is summed once, in position order, then
-the row is written/updated once ("coalesce, then update"), so results are bit-identical run to
-run and do not even depend on the thread count.
 """
 from __future__ import annotations
 
 import functools
 import math
 import mmap
-import operator
-import threading
 
 import numba
 import numpy as np
@@ -30,21 +22,14 @@ from numba import prange
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory
 from ..codegen.prefetch import prefetch, prefetch_write
 from ..codegen.rowvec import row_axpy, row_set, stack_f32
-from .optim import SplitBF16Table, as_float32, as_uint32, widen
+from .optim import SplitBF16Table, widen
 
 SPECIALISED_D = (16, 32, 64, 128)  # widths that get a compile-time-D kernel
-UPDATE_PREFETCH = 16               # row groups the updates prefetch (for writing) ahead
-_RADIX_BITS = 12                   # digit width of the radix sort (4096-entry histogram)
 SERIAL_WORK = 1 << 14              # nnz * D up to which a call runs serially even with several threads
-SMALL_NNZ = 8192                   # indices up to which the fused updates group rows by hashing, not sorting
-_CHUNKS = 64                       # work units per call: bag chunks (forward), row-group parts (updates)
+_CHUNKS = 64                       # bag chunks of the parallel forward
 _MODES = ("sum", "mean")
 _I32, _I64, _F32DT = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32)
-_NO_PSW = np.empty(0, np.float32)  # stand-ins for absent optional arrays (kernels never read them)
-_NO_STATE = np.empty(0, np.float32)
-_NO_LO = np.empty((0, 0), np.uint16)
-_NO_ROWS = np.empty((0, 0), np.float32)
-_UPDATES = ("grad", "sgd", "sgd_bf16", "adagrad")
+_NO_PSW = np.empty(0, np.float32)  # stand-in for absent per-sample weights (kernels never read it)
 
 # ----------------------------------------------------------------------------- table memory
 
@@ -135,7 +120,8 @@ def _as_index_array(name, a):
         raise TypeError(f"{name} must have dtype int32 or int64, got {a.dtype}")
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    return a if a.flags.c_contiguous and a.flags.aligned else np.array(a, order="C")
+    f = a.flags  # one flags object (each a.flags builds a new one): these checks run per call per table
+    return a if f.c_contiguous and f.aligned else np.array(a, order="C")
 
 
 def _as_float_array(name, a, shape):
@@ -143,7 +129,8 @@ def _as_float_array(name, a, shape):
         raise TypeError(f"{name} must be a float32 numpy array, got {getattr(a, 'dtype', type(a).__name__)}")
     if a.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-    return a if a.flags.c_contiguous and a.flags.aligned else np.array(a, order="C")
+    f = a.flags
+    return a if f.c_contiguous and f.aligned else np.array(a, order="C")
 
 
 def _check_table(weight, name="weight", *, writeable=False, bf16_ok=True):
@@ -160,9 +147,10 @@ def _check_table(weight, name="weight", *, writeable=False, bf16_ok=True):
                         f"got {getattr(weight, 'dtype', type(weight).__name__)}")
     if weight.ndim != 2:
         raise ValueError(f"{name} must be 2-D (R, D), got shape {weight.shape}")
-    if not (weight.flags.c_contiguous and weight.flags.aligned):
+    f = weight.flags
+    if not (f.c_contiguous and f.aligned):
         raise ValueError(f"{name} must be C-contiguous and aligned")
-    if writeable and not weight.flags.writeable:
+    if writeable and not f.writeable:
         raise ValueError(f"{name} must be writeable (updated in place)")
     return weight, False
 
@@ -210,12 +198,6 @@ def _forward_kernel(dclass, bf16, serial):
     these ops once per table per step (JITKERN_DEBUG logs the first choice of each spec only)."""
     pf = _prefetch_distance(dclass * (2 if bf16 else 4)) if dclass else 16  # one generic kernel per dtype
     return get_kernel(KernelSpec.make("embedding_bag_forward", D=dclass, bf16=bf16, pf=pf, serial=serial))
-
-
-@functools.lru_cache(maxsize=None)
-def _update_kernel(dclass, kind, small):
-    op = "embedding_bag_update_small" if small else "embedding_bag_update"
-    return get_kernel(KernelSpec.make(op, D=dclass, pf=UPDATE_PREFETCH, kind=kind))
 
 
 def _num_threads() -> int:
@@ -371,311 +353,3 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
     if dest is not out:
         np.copyto(out, dest)
     return out
-
-
-# ----------------------------------------------------------------------------- sparse plan
-
-
-@jit()
-def _plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts, work, fwork):
-    """Sort (row, position) pairs by row (stable LSD radix sort) and cut the groups of equal rows
-    into nparts contiguous ranges of about equal length.
-
-    Returns the (code, position, value) of _check_bags, then in sorted order rows (nnz,), the bag
-    (nnz,) and the scale (nnz,) float32 (per-sample weight / bag size for mean) of each entry, so
-    the update reads them sequentially, then group (U + 1,) the start of each group of equal
-    rows and parts (nparts + 1,) the group cuts. work (6, nnz + 1) int64 and fwork (nnz + 1,)
-    float32 are scratch the results are views of.
-    """
-    nnz = indices.shape[0]
-    code, bad, value = _check_bags(indices, offsets, nbags, num_rows, last)
-    if code:
-        none = np.empty(0, np.int64)
-        return (code, bad, value), none, none, np.empty(0, np.float32), none, none
-    bag_of = work[0, :nnz]
-    inv_len = np.ones(nbags, np.float32)
-    for b in range(nbags):
-        s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
-        if mean and e > s:
-            inv_len[b] = np.float32(1.0) / np.float32(e - s)
-        for j in range(s, e):
-            bag_of[j] = b
-    nbits = 0
-    while (np.int64(1) << nbits) < num_rows:
-        nbits += 1
-    npass = max(1, (nbits + _RADIX_BITS - 1) // _RADIX_BITS)
-    digit = (nbits + npass - 1) // npass
-    mask = (np.int64(1) << digit) - 1
-    # the histograms of every pass in one read of the indices
-    count = np.zeros((npass, (np.int64(1) << digit) + 1), np.int64)
-    for j in range(nnz):
-        r = np.int64(indices[j])
-        for p in range(npass):
-            count[p, ((r >> (p * digit)) & mask) + 1] += 1
-    for p in range(npass):
-        for k in range(1, count.shape[1]):
-            count[p, k] += count[p, k - 1]
-    # Each entry moves as one word, (row << 32) | position: half the traffic of separate row and
-    # position arrays. Rows < 2**32 (the wrapper checks); bit 63 may make the word negative, so a
-    # digit is read from the row recovered with a mask (a shift alone would drag the sign in).
-    lo32 = (np.int64(1) << 32) - 1
-    keys, keys2 = work[1, :nnz], work[3, :nnz]
-    for j in range(nnz):  # pass 0 scatters straight from the indices, later passes ping-pong
-        r = np.int64(indices[j])
-        k = r & mask
-        t = count[0, k]
-        count[0, k] = t + 1
-        keys[t] = (r << 32) | j
-    for p in range(1, npass):
-        shift = p * digit
-        for j in range(nnz):
-            key = keys[j]
-            k = (((key >> 32) & lo32) >> shift) & mask
-            t = count[p, k]
-            count[p, k] = t + 1
-            keys2[t] = key
-        keys, keys2 = keys2, keys
-    # unpack in one sweep: rows, group starts, and each entry's bag and scale
-    rows, starts, sbag, sscale = work[2, :nnz], work[4], work[5, :nnz], fwork[:nnz]
-    has_psw = psw.shape[0] > 0
-    ngroups = 0
-    for k in range(nnz):
-        key = keys[k]
-        r = (key >> 32) & lo32
-        j = key & lo32
-        rows[k] = r
-        if k == 0 or r != rows[k - 1]:
-            starts[ngroups] = k
-            ngroups += 1
-        b = bag_of[j]
-        sbag[k] = b
-        sscale[k] = (psw[j] if has_psw else np.float32(1.0)) * inv_len[b]
-    starts[ngroups] = nnz
-    group = starts[:ngroups + 1]
-    parts = np.empty(nparts + 1, np.int64)
-    for t in range(nparts + 1):
-        parts[t] = np.searchsorted(group, t * nnz // nparts)  # first group starting at or after the cut
-    parts[nparts] = ngroups
-    return (code, bad, value), rows, sbag, sscale, group, parts
-
-
-@jit(inline="always")
-def _apply_row(table, lo, state, r, acc, a, lr, eps, D, DC, SGD, BF16):
-    """Row r of the table takes its coalesced gradient acc[a]: SGD, bf16 Split-SGD or row-wise Adagrad."""
-    if SGD:
-        _madd_row(table, r, acc, a, -lr, D, DC, False)  # w + (-lr * g): exactly w - lr * g
-    elif BF16:
-        for d in range(D):
-            w = as_float32((np.uint32(table[r, d]) << np.uint32(16)) | np.uint32(lo[r, d]))
-            bits = as_uint32(w - lr * acc[a, d])
-            table[r, d] = np.uint16(bits >> np.uint32(16))
-            lo[r, d] = np.uint16(bits & np.uint32(0xFFFF))
-    else:
-        ss = 0.0
-        for d in range(D):
-            ss += np.float64(acc[a, d]) * np.float64(acc[a, d])
-        s_new = np.float32(state[r] + ss / D)
-        state[r] = s_new
-        step = np.float32(lr / (math.sqrt(np.float64(s_new)) + eps))
-        _madd_row(table, r, acc, a, -step, D, DC, False)
-
-
-@kernel_factory("embedding_bag_update_small")
-def _small_update_factory(spec):
-    DC, PF, kind = spec["D"], spec["pf"], spec["kind"]
-    ITEM = 2 if kind == "sgd_bf16" else 4
-    SGD, BF16 = kind == "sgd", kind == "sgd_bf16"
-
-    @jit(fastmath=frozenset())
-    def apply(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, slots, urows, acc):
-        # Serial, sort-free: an open-addressing hash (slots)
-        # numbers the distinct rows in order of first occurrence; acc[g] (nnz, D) sums group g's
-        # gradient in position order (set at its first occurrence, then added), exactly as the
-        # sorted path does, then each row is updated once.
-        nbags, nnz = dout.shape[0], indices.shape[0]
-        D = DC if DC else dout.shape[1]
-        bits = 1
-        while (np.int64(1) << bits) < 2 * nnz:  # the table: the first 2**bits >= 2 nnz slots
-            bits += 1
-        shift = np.uint64(64 - bits)
-        hmask = np.uint64((np.int64(1) << bits) - 1)
-        slots[:np.int64(1) << bits] = -1  # empty (rows and groups are < 2**32 - 1: never a real slot)
-        lo32 = (np.int64(1) << 32) - 1
-        has_psw = psw.shape[0] > 0
-        ngroups = 0
-        for b in range(nbags):
-            s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
-            inv = np.float32(1.0) / np.float32(e - s) if mean and e > s else np.float32(1.0)
-            for j in range(s, e):
-                u = np.uint64(j)
-                r = np.int64(indices[u])
-                h = (np.uint64(r) * np.uint64(0x9E3779B97F4A7C15)) >> shift  # Fibonacci hashing
-                while True:  # a slot holds (row << 32) | group: one load per probe
-                    v = slots[h]
-                    if v == -1 or (v >> 32) & lo32 == r:
-                        break
-                    h = (h + np.uint64(1)) & hmask
-                first = v == -1
-                if first:
-                    g = ngroups
-                    slots[h] = (r << 32) | g
-                    urows[g] = r
-                    ngroups += 1
-                else:
-                    g = v & lo32
-                sc = (psw[u] if has_psw else np.float32(1.0)) * inv
-                _madd_row(acc, g, dout, b, sc, D, DC, first)
-        for g in range(ngroups):
-            # prefetching here, not while hashing, measured 15-25% faster (D=16 and 128, R=1e6 and 1e7)
-            if g + PF < ngroups:
-                _prefetch_row(table, urows[g + PF], D * ITEM, True)
-                if BF16:
-                    _prefetch_row(lo, urows[g + PF], D * ITEM, True)
-            _apply_row(table, lo, state, urows[g], acc, g, lr, eps, D, DC, SGD, BF16)
-
-    @jit(fastmath=frozenset())  # strict IEEE, as the sorted path: both give the same bits
-    def update_small(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, slots, urows, acc):
-        code, bad, value = _validate_bags(indices, offsets, dout.shape[0], table.shape[0], last)
-        if code:
-            return code, bad, value
-        apply(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, slots, urows, acc)
-        return 0, 0, 0
-    return update_small
-
-
-@kernel_factory("embedding_bag_update")
-def _update_factory(spec):
-    DC, PF, kind = spec["D"], spec["pf"], spec["kind"]
-    ITEM = 2 if kind == "sgd_bf16" else 4
-    GRAD, SGD, BF16, _ = (kind == k for k in _UPDATES)
-
-    @jit(parallel=True, fastmath=frozenset())  # strict IEEE: bf16 and fp32 SGD round identically
-    def update(rows, sbag, sscale, group, parts, dout, lr, eps, table, lo, state, drows):
-        # table: (R, D) float32 weight, or bf16 hi bits with lo the low halves; state: (R,) Adagrad;
-        # drows: (U, D) output of kind "grad". Part t (one thread's) owns the row groups parts[t]:parts[t+1].
-        D = DC if DC else dout.shape[1]
-        ngroups = group.shape[0] - 1
-        for t in prange(parts.shape[0] - 1):
-            acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
-            g0, g1 = parts[t], parts[t + 1]
-            for g in range(g0, g1):
-                if not GRAD and g + PF < ngroups:  # a hint only: may touch the next part's rows
-                    _prefetch_row(table, rows[group[g + PF]], D * ITEM, True)
-                    if BF16:
-                        _prefetch_row(lo, rows[group[g + PF]], D * ITEM, True)
-                # the coalesced gradient of this row: its occurrences in position order
-                for k in range(group[g], group[g + 1]):
-                    _madd_row(acc, 0, dout, sbag[k], sscale[k], D, DC, k == group[g])
-                r = rows[group[g]]
-                if GRAD:
-                    _madd_row(drows, g, acc, 0, np.float32(1.0), D, DC, True)
-                else:
-                    _apply_row(table, lo, state, r, acc, 0, lr, eps, D, DC, SGD, BF16)
-    return update
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(n):
-    """Per-thread, grow-only scratch for the plan: work (6, n) int64 and fwork (n,) float32.
-
-    Fresh arrays of this size cost more than the whole sort: glibc maps them anew on every call
-    and returns them on free, so each page faults again. Thread-local, so concurrent callers never
-    share it; kernels finish with it before the op returns (results handed out are copies).
-    """
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.shape[0] < 7 * n:
-        buf = _SCRATCH.buf = np.empty(max(7 * n, 2 * (0 if buf is None else buf.shape[0])), np.int64)
-    return buf[:6 * n].reshape(6, n), buf[6 * n:7 * n].view(np.float32)[:n]
-
-
-def _small_scratch(nnz, dim):
-    """Per-thread, grow-only scratch of the sort-free update, per width (see _scratch for why it is
-    kept): slots (>= 2 nnz, a power of two) int64, urows (>= nnz,) int64, acc (>= nnz, dim) float32.
-    Whole arrays, no views: the kernel uses their first entries (views cost ~1 us a call here)."""
-    cache = getattr(_SCRATCH, "small", None)
-    if cache is None:
-        cache = _SCRATCH.small = {}
-    bufs = cache.get(dim)
-    if bufs is None or bufs[1].shape[0] < nnz:
-        n = max(nnz, 2 * (0 if bufs is None else bufs[1].shape[0]), 64)
-        bufs = cache[dim] = (np.empty(1 << (2 * n - 1).bit_length(), np.int64), np.empty(n, np.int64),
-                             np.empty((n, dim), np.float32))
-    return bufs
-
-
-def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr, eps, mode,
-                   per_sample_weights, include_last_offset, table_name):
-    """Validate, plan and run one sparse kernel; returns (rows, drows) for kind "grad"."""
-    if not isinstance(dout, np.ndarray) or dout.dtype != np.float32 or dout.ndim != 2:
-        raise TypeError(f"dout must be a 2-D float32 ndarray, got "
-                        f"{getattr(dout, 'dtype', type(dout).__name__)} {getattr(dout, 'shape', '')}")
-    D = dout.shape[1] if table is None else table.shape[1]
-    indices, offsets, nbags, psw, mean = _check_common(indices, offsets, mode, per_sample_weights,
-                                                       include_last_offset)
-    dout = _as_float_array("dout", dout, (nbags, D))
-    # row-group parts spread over the threads by prange: ownership and results do not depend on the thread count
-    nnz = indices.shape[0]
-    if num_rows > 1 << 32 or nnz >= 1 << 32:  # the plan packs a row and a position into one int64
-        raise ValueError(f"embedding updates support up to 2**32 rows and indices, got {num_rows} rows, "
-                         f"{nnz} indices")
-    lo = _NO_LO if lo is None else lo
-    state = _NO_STATE if state is None else state
-    if kind != "grad" and nnz <= SMALL_NNZ:
-        slots, urows, acc = _small_scratch(nnz, D)
-        code, pos, val = _update_kernel(_d_class(D), kind, True)(
-            indices, offsets, psw, mean, bool(include_last_offset), dout, np.float32(lr), np.float64(eps),
-            table, lo, state, slots, urows, acc)
-        if code:
-            _raise_bag_error(code, pos, val, table_name, num_rows, nnz)
-        return None
-    work, fwork = _scratch(nnz + 1)
-    err, rows, sbag, sscale, group, parts = _plan(indices, offsets, psw, nbags, num_rows, bool(include_last_offset),
-                                                  mean, max(1, min(_CHUNKS, nnz)), work, fwork)
-    if err[0]:
-        _raise_bag_error(*err, table_name, num_rows, indices.shape[0])
-    ngroups = group.shape[0] - 1
-    drows = np.empty((ngroups, D), np.float32) if kind == "grad" else _NO_ROWS
-    if ngroups and D:
-        _update_kernel(_d_class(D), kind, False)(
-            rows, sbag, sscale, group, parts, dout, np.float32(lr), np.float64(eps),
-            drows if table is None else table, lo, state, drows)
-    return (rows[group[:-1]], drows) if kind == "grad" else None
-
-
-def embedding_bag_backward(indices, offsets, dout, num_rows, *, mode="sum", per_sample_weights=None,
-                           include_last_offset=False):
-    """Coalesced sparse gradient; dout: (B, D) -> rows (U,) sorted unique int64, drows (U, D) float32."""
-    num_rows = operator.index(num_rows)
-    if num_rows < 0:
-        raise ValueError(f"num_rows must be >= 0, got {num_rows}")
-    return _sparse_update("grad", None, None, None, indices, offsets, dout, num_rows, 0.0, 0.0, mode,
-                          per_sample_weights, include_last_offset, "num_rows")
-
-
-def embedding_bag_sgd_(weight, indices, offsets, dout, lr, *, mode="sum", per_sample_weights=None,
-                       include_last_offset=False):
-    """In place, fused: weight[rows] -= lr * drows (coalesce, then update). Returns weight."""
-    w, bf16 = _check_table(weight, writeable=True)
-    lr = _finite("lr", lr)
-    _sparse_update("sgd_bf16" if bf16 else "sgd", w, weight.lo if bf16 else None, None, indices, offsets,
-                   dout, w.shape[0], lr, 0.0, mode, per_sample_weights, include_last_offset, "weight")
-    return weight
-
-
-def embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, eps=1e-8, *, mode="sum",
-                           per_sample_weights=None, include_last_offset=False):
-    """In place, fused row-wise Adagrad; weight: (R, D), state: (R,) float32. Returns weight."""
-    w, _ = _check_table(weight, writeable=True, bf16_ok=False)
-    if not isinstance(state, np.ndarray) or state.dtype != np.float32:
-        raise TypeError(f"state must be a float32 ndarray, got {getattr(state, 'dtype', type(state).__name__)}")
-    if state.shape != (w.shape[0],) or not state.flags.c_contiguous or not state.flags.writeable:
-        raise ValueError(f"state must be a writeable contiguous ({w.shape[0]},) array, got shape {state.shape}")
-    lr = _finite("lr", lr)
-    eps = _finite("eps", eps)
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    _sparse_update("adagrad", w, None, state, indices, offsets, dout, w.shape[0], lr, eps, mode,
-                   per_sample_weights, include_last_offset, "weight")
-    return weight

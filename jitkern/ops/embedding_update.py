@@ -1,0 +1,470 @@
+"""Embedding-bag backward and fused in-place updates: SGD, BF16 Split-SGD, row-wise Adagrad.
+
+Every path computes "coalesce, then update": a row's gradient is the sum of its occurrences'
+scaled dout rows, added in position order, and the row is then updated once. The order is
+fixed by the data alone, so results are bit-identical run to run, path to path and for any
+thread count. Two ways to find each row's occurrences:
+
+- hashed (the fused updates when a batch touches few rows of the table, the usual case): one
+  reverse pass over the entries inserts each row into an open-addressing table and threads its
+  occurrences into a linked list (in ascending position), keeping per row a record the update
+  reads in order; the update pass walks the records, sums each row's gradient in registers and
+  updates the row once, prefetching rows ahead. Nothing is sorted and no per-row gradient is
+  written to memory. With several threads the records are cut into one range per thread:
+  distinct rows, so no atomics.
+- sorted (the backward, whose rows come out sorted, and dense batches that touch a large
+  share of the table): a stable LSD radix sort of (row, position) pairs; the groups are cut
+  into contiguous row ranges that prange hands to the threads. Applying the updates in row
+  order streams through the table, which wins once the touched rows are dense.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import threading
+
+import numpy as np
+from numba import prange
+
+from ..codegen import KernelSpec, get_kernel, jit, kernel_factory
+from ..codegen.rowvec import stack_f32
+from .embedding import (
+    _bag_end,
+    _as_float_array,
+    _check_bags,
+    _check_common,
+    _check_table,
+    _d_class,
+    _finite,
+    _madd_row,
+    _num_threads,
+    _prefetch_row,
+    _raise_bag_error,
+    _validate_bags,
+)
+from .optim import as_float32, as_uint32
+
+UPDATE_PREFETCH = 16     # row groups the updates prefetch (for writing) ahead
+HASHED_MAX_DENSITY = 8   # hashed grouping while nnz * this <= rows (sparse batches); sorted beyond
+PARALLEL_MIN_NNZ = 8192  # below this many indices the hashed update runs on the calling thread
+_RADIX_BITS = 12         # digit width of the radix sort (4096-entry histogram)
+_CHUNKS = 64             # row-group parts of the sorted path
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: a row's slot is the top bits of row * this
+_LO32 = (1 << 32) - 1
+_MAX_ROWS, _MAX_NNZ = 1 << 32, (1 << 31) - 1
+_UPDATES = ("grad", "sgd", "sgd_bf16", "adagrad")
+_NO_PSW = np.empty(0, np.float32)        # stand-ins for absent optional arrays (kernels never read them)
+_NO_STATE = np.empty(0, np.float32)
+_NO_LO = np.empty((0, 0), np.uint16)
+_NO_ROWS = np.empty((0, 0), np.float32)
+
+
+def _update_path(nnz: int, num_rows: int, threads: int) -> str:
+    """'hashed', 'hashed-parallel' or 'sorted' for a fused update of nnz indices into num_rows rows.
+
+    Measured on Zen 4, D=16..128, B=2048: hashed is 1.2-1.8x faster than sorted up to ~1 index
+    per 8 rows (R=1e6, pooling 20: 305 vs 542 us at D=16), sorted ~6% faster at 1 per 5."""
+    if nnz * HASHED_MAX_DENSITY > num_rows and nnz > PARALLEL_MIN_NNZ:
+        return "sorted"
+    return "hashed-parallel" if threads > 1 and nnz > PARALLEL_MIN_NNZ else "hashed"
+
+
+@functools.lru_cache(maxsize=None)
+def _update_kernel(dim, kind, path):
+    """get_kernel, memoised (its per-call config read costs ~20 us; the DLRM calls once per table)."""
+    return get_kernel(KernelSpec.make("embedding_bag_update", D=_d_class(dim), pf=UPDATE_PREFETCH, kind=kind,
+                                      path=path))
+
+
+# ----------------------------------------------------------------------------- shared row update
+
+
+@jit(inline="always")
+def _apply_row(table, lo, state, r, acc, a, lr, eps, D, DC, SGD, BF16):
+    """Row r of the table takes its coalesced gradient acc[a]: SGD, bf16 Split-SGD or row-wise Adagrad."""
+    if SGD:
+        _madd_row(table, r, acc, a, -lr, D, DC, False)  # w + (-lr * g): exactly w - lr * g
+    elif BF16:
+        for d in range(D):
+            w = as_float32((np.uint32(table[r, d]) << np.uint32(16)) | np.uint32(lo[r, d]))
+            bits = as_uint32(w - lr * acc[a, d])
+            table[r, d] = np.uint16(bits >> np.uint32(16))
+            lo[r, d] = np.uint16(bits & np.uint32(0xFFFF))
+    else:
+        ss = 0.0
+        for d in range(D):
+            ss += np.float64(acc[a, d]) * np.float64(acc[a, d])
+        s_new = np.float32(state[r] + ss / D)
+        state[r] = s_new
+        step = np.float32(lr / (math.sqrt(np.float64(s_new)) + eps))
+        _madd_row(table, r, acc, a, -step, D, DC, False)
+
+
+@jit(inline="always")
+def _entry_scale(j, b, psw, mean, offsets, nbags, nnz, last):
+    """Entry j's weight in bag b's gradient: its per-sample weight, over the bag size for mean."""
+    sc = psw[j] if psw.shape[0] > 0 else np.float32(1.0)
+    if mean:
+        sc = sc * (np.float32(1.0) / np.float32(_bag_end(offsets, b, nbags, nnz, last) - offsets[b]))
+    return sc
+
+
+# ----------------------------------------------------------------------------- hashed path
+
+
+@jit(inline="always")
+def _slot_bits(n):
+    """log2 of the hash table for n distinct rows at most: the first power of two >= 2 n."""
+    bits = 1
+    while (np.int64(1) << bits) < 2 * n:
+        bits += 1
+    return bits
+
+
+@jit(inline="always")
+def _insert(slots, bits, r, j, b, groups, nxt, ng):
+    """Entry j (row r, bag b) joins its row's list in slots[:2**bits]; a new row becomes group ng.
+
+    Entries arrive in descending position, so pushing each at the list head leaves every list in
+    ascending position. A slot holds (row << 32) | group: one load per probe. groups[g] is the
+    record (row, head entry, head's bag, second entry or -1) the update reads in order, so most
+    rows need no other scratch read. Returns the group count."""
+    hmask = np.uint64((np.int64(1) << bits) - 1)
+    h = (np.uint64(r) * _GOLDEN) >> np.uint64(64 - bits)
+    while True:
+        v = slots[h]
+        if v == -1 or (v >> 32) & _LO32 == r:
+            break
+        h = (h + np.uint64(1)) & hmask
+    if v == -1:
+        slots[h] = (r << 32) | ng
+        groups[ng, 0] = r
+        groups[ng, 1] = j
+        groups[ng, 2] = b
+        groups[ng, 3] = -1
+        nxt[j] = -1
+        return ng + 1
+    g = v & _LO32
+    nxt[j] = groups[g, 1]
+    groups[g, 3] = groups[g, 1]
+    groups[g, 1] = j
+    groups[g, 2] = b
+    return ng
+
+
+@jit(inline="always")
+def _apply_groups(groups, nxt, ebag, g0, g1, indices, offsets, psw, mean, last, dout, lr, eps,
+                  table, lo, state, D, DC, PF, ITEM, SGD, BF16):
+    """Update the rows of groups[g0:g1]: each sums its list's scaled dout rows in registers, then
+    is updated once. Two copies of the loop, so the common unscaled one tests nothing per entry
+    (with the test inside, LLVM compiled the whole kernel ~3x slower)."""
+    if mean or psw.shape[0] > 0:
+        _walk_groups(groups, nxt, ebag, g0, g1, indices, offsets, psw, mean, last, dout, lr, eps,
+                     table, lo, state, D, DC, PF, ITEM, SGD, BF16, True)
+    else:
+        _walk_groups(groups, nxt, ebag, g0, g1, indices, offsets, psw, mean, last, dout, lr, eps,
+                     table, lo, state, D, DC, PF, ITEM, SGD, BF16, False)
+
+
+@jit(inline="always")
+def _walk_groups(groups, nxt, ebag, g0, g1, indices, offsets, psw, mean, last, dout, lr, eps,
+                 table, lo, state, D, DC, PF, ITEM, SGD, BF16, scaled):
+    """_apply_groups' loop; rows are prefetched for writing PF groups ahead (the reads miss in DRAM)."""
+    nbags, nnz = dout.shape[0], indices.shape[0]
+    acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
+    one = np.float32(1.0)
+    for g in range(g0, g1):
+        if g + PF < g1:
+            _prefetch_row(table, groups[g + PF, 0], D * ITEM, True)
+            if BF16:
+                _prefetch_row(lo, groups[g + PF, 0], D * ITEM, True)
+        j, b = groups[g, 1], groups[g, 2]
+        sc = _entry_scale(j, b, psw, mean, offsets, nbags, nnz, last) if scaled else one
+        _madd_row(acc, 0, dout, b, sc, D, DC, True)
+        j = groups[g, 3]
+        while j >= 0:  # the rare duplicates, in ascending position
+            b = ebag[j]
+            sc = _entry_scale(j, b, psw, mean, offsets, nbags, nnz, last) if scaled else one
+            _madd_row(acc, 0, dout, b, sc, D, DC, False)
+            j = nxt[j]
+        _apply_row(table, lo, state, groups[g, 0], acc, 0, lr, eps, D, DC, SGD, BF16)
+
+
+@jit(inline="always")
+def _scratch_views(scratch, n):
+    """In scratch (>= 10 n int64): slots (4n,), groups (n, 4) records, nxt and ebag (n,) per entry."""
+    return scratch[:4 * n], scratch[4 * n:8 * n].reshape((n, 4)), scratch[8 * n:9 * n], scratch[9 * n:10 * n]
+
+
+@jit()
+def _group_rows(indices, offsets, nbags, last, num_rows, scratch):
+    """Thread every entry into its row's list: one reverse pass, tracking the bag backwards
+    (entry j's bag goes to ebag[j]). Returns the row count U: groups[:U] (see _insert)."""
+    n = indices.shape[0]
+    slots, groups, nxt, ebag = _scratch_views(scratch, n)
+    bits = _slot_bits(min(n, num_rows))
+    slots[:np.int64(1) << bits] = -1
+    ng = np.int64(0)
+    b, s = nbags, n
+    for k in range(n):
+        j = n - 1 - k
+        while j < s:
+            b -= 1
+            s = offsets[b]
+        ebag[j] = b
+        ng = _insert(slots, bits, np.int64(indices[j]), j, b, groups, nxt, ng)
+    return ng
+
+
+@kernel_factory("embedding_bag_update")
+def _update_factory(spec):
+    DC, PF, kind, path = spec["D"], spec["pf"], spec["kind"], spec["path"]
+    ITEM = 2 if kind == "sgd_bf16" else 4
+    GRAD, SGD, BF16, _ = (kind == k for k in _UPDATES)
+    if path == "sorted":
+        return _sorted_update(DC, PF, ITEM, GRAD, SGD, BF16)
+
+    @jit(fastmath=frozenset())  # strict IEEE: every path and bf16/fp32 round identically
+    def apply(g0, g1, indices, offsets, psw, mean, last, dout, lr32, eps, table, lo, state, scratch):
+        # update the rows of groups g0 <= g < g1 (one thread's share); a function of its own, not
+        # a prange body (there LLVM compiled these loops several times slower)
+        _, groups, nxt, ebag = _scratch_views(scratch, indices.shape[0])
+        _apply_groups(groups, nxt, ebag, g0, g1, indices, offsets, psw, mean, last, dout, lr32, eps, table, lo, state,
+                      DC if DC else dout.shape[1], DC, PF, ITEM, SGD, BF16)
+
+    @jit(fastmath=frozenset())
+    def hashed(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch, nparts):
+        # indices: (nnz,), offsets: (B,)|(B+1,), dout: (B, D), table: (R, D) float32 or bf16 hi bits
+        # with lo (R, D) the low halves, state: (R,) Adagrad, scratch: (>= 10 nnz,) int64
+        code, bad, value = _validate_bags(indices, offsets, dout.shape[0], table.shape[0], last)
+        if code:
+            return code, bad, value
+        ng = _group_rows(indices, offsets, dout.shape[0], last, table.shape[0], scratch)
+        # lr arrives as a Python float: converting here costs less than np.float32() in the wrapper
+        apply(0, ng, indices, offsets, psw, mean, last, dout, np.float32(lr), eps, table, lo, state, scratch)
+        return 0, 0, 0
+
+    @jit(parallel=True, fastmath=frozenset())
+    def hashed_parallel(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch, nparts):
+        # the same, the rows cut into nparts ranges of groups, one per thread: distinct rows, so no
+        # two threads touch one. Grouping stays serial: split by owner (each thread scanning all
+        # entries for its rows) it cost more in mispredicted branches than it saved.
+        code, bad, value = _validate_bags(indices, offsets, dout.shape[0], table.shape[0], last)
+        if code:
+            return code, bad, value
+        ng = _group_rows(indices, offsets, dout.shape[0], last, table.shape[0], scratch)
+        lr32 = np.float32(lr)
+        for t in prange(nparts):
+            apply(t * ng // nparts, (t + 1) * ng // nparts, indices, offsets, psw, mean, last, dout, lr32, eps,
+                  table, lo, state, scratch)
+        return 0, 0, 0
+    return hashed_parallel if path == "hashed-parallel" else hashed
+
+
+# ----------------------------------------------------------------------------- sorted path
+
+
+@jit()
+def _plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts, work, fwork):
+    """Sort (row, position) pairs by row (stable LSD radix sort) and cut the groups of equal rows
+    into nparts contiguous ranges of about equal length.
+
+    Returns the (code, position, value) of _check_bags, then in sorted order rows (nnz,), the bag
+    (nnz,) and the scale (nnz,) float32 (per-sample weight / bag size for mean) of each entry, so
+    the update reads them sequentially, then group (U + 1,) the start of each group of equal
+    rows and parts (nparts + 1,) the group cuts. work (6, nnz + 1) int64 and fwork (nnz + 1,)
+    float32 are scratch the results are views of.
+    """
+    nnz = indices.shape[0]
+    code, bad, value = _check_bags(indices, offsets, nbags, num_rows, last)
+    if code:
+        none = np.empty(0, np.int64)
+        return (code, bad, value), none, none, np.empty(0, np.float32), none, none
+    bag_of = work[0, :nnz]
+    inv_len = np.ones(nbags, np.float32)
+    for b in range(nbags):
+        s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
+        if mean and e > s:
+            inv_len[b] = np.float32(1.0) / np.float32(e - s)
+        for j in range(s, e):
+            bag_of[j] = b
+    nbits = 0
+    while (np.int64(1) << nbits) < num_rows:
+        nbits += 1
+    npass = max(1, (nbits + _RADIX_BITS - 1) // _RADIX_BITS)
+    digit = (nbits + npass - 1) // npass
+    mask = (np.int64(1) << digit) - 1
+    # the histograms of every pass in one read of the indices
+    count = np.zeros((npass, (np.int64(1) << digit) + 1), np.int64)
+    for j in range(nnz):
+        r = np.int64(indices[j])
+        for p in range(npass):
+            count[p, ((r >> (p * digit)) & mask) + 1] += 1
+    for p in range(npass):
+        for k in range(1, count.shape[1]):
+            count[p, k] += count[p, k - 1]
+    # Each entry moves as one word, (row << 32) | position: half the traffic of separate row and
+    # position arrays. Rows < 2**32 (the wrapper checks); bit 63 may make the word negative, so a
+    # digit is read from the row recovered with a mask (a shift alone would drag the sign in).
+    keys, keys2 = work[1, :nnz], work[3, :nnz]
+    for j in range(nnz):  # pass 0 scatters straight from the indices, later passes ping-pong
+        r = np.int64(indices[j])
+        k = r & mask
+        t = count[0, k]
+        count[0, k] = t + 1
+        keys[t] = (r << 32) | j
+    for p in range(1, npass):
+        shift = p * digit
+        for j in range(nnz):
+            key = keys[j]
+            k = (((key >> 32) & _LO32) >> shift) & mask
+            t = count[p, k]
+            count[p, k] = t + 1
+            keys2[t] = key
+        keys, keys2 = keys2, keys
+    # unpack in one sweep: rows, group starts, and each entry's bag and scale
+    rows, starts, sbag, sscale = work[2, :nnz], work[4], work[5, :nnz], fwork[:nnz]
+    has_psw = psw.shape[0] > 0
+    ngroups = 0
+    for k in range(nnz):
+        key = keys[k]
+        r = (key >> 32) & _LO32
+        j = key & _LO32
+        rows[k] = r
+        if k == 0 or r != rows[k - 1]:
+            starts[ngroups] = k
+            ngroups += 1
+        b = bag_of[j]
+        sbag[k] = b
+        sscale[k] = (psw[j] if has_psw else np.float32(1.0)) * inv_len[b]
+    starts[ngroups] = nnz
+    group = starts[:ngroups + 1]
+    parts = np.empty(nparts + 1, np.int64)
+    for t in range(nparts + 1):
+        parts[t] = np.searchsorted(group, t * nnz // nparts)  # first group starting at or after the cut
+    parts[nparts] = ngroups
+    return (code, bad, value), rows, sbag, sscale, group, parts
+
+
+def _sorted_update(DC, PF, ITEM, GRAD, SGD, BF16):
+    @jit(parallel=True, fastmath=frozenset())
+    def update(rows, sbag, sscale, group, parts, dout, lr, eps, table, lo, state, drows):
+        # table: (R, D) float32 weight, or bf16 hi bits with lo the low halves; state: (R,) Adagrad;
+        # drows: (U, D) output of kind "grad". Part t (one thread's) owns the row groups parts[t]:parts[t+1].
+        D = DC if DC else dout.shape[1]
+        ngroups = group.shape[0] - 1
+        for t in prange(parts.shape[0] - 1):
+            acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
+            g0, g1 = parts[t], parts[t + 1]
+            for g in range(g0, g1):
+                if not GRAD and g + PF < ngroups:  # a hint only: may touch the next part's rows
+                    _prefetch_row(table, rows[group[g + PF]], D * ITEM, True)
+                    if BF16:
+                        _prefetch_row(lo, rows[group[g + PF]], D * ITEM, True)
+                # the coalesced gradient of this row: its occurrences in position order
+                for k in range(group[g], group[g + 1]):
+                    _madd_row(acc, 0, dout, sbag[k], sscale[k], D, DC, k == group[g])
+                r = rows[group[g]]
+                if GRAD:
+                    _madd_row(drows, g, acc, 0, np.float32(1.0), D, DC, True)
+                else:
+                    _apply_row(table, lo, state, r, acc, 0, lr, eps, D, DC, SGD, BF16)
+    return update
+
+
+# ----------------------------------------------------------------------------- scratch and wrappers
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n, per_entry):
+    """Per-thread, grow-only int64 scratch of >= per_entry * n words, whole (views cost ~1 us a call).
+
+    Fresh arrays of this size cost more than the work: glibc maps them anew on every call and
+    returns them on free, so each page faults again. Thread-local, so concurrent callers never
+    share it; kernels finish with it before the op returns (results handed out are copies)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    need = per_entry * n
+    if buf is None or buf.shape[0] < need:
+        buf = _SCRATCH.buf = np.empty(max(need, 2 * (0 if buf is None else buf.shape[0]), 1024), np.int64)
+    return buf
+
+
+def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr, eps, mode,
+                   per_sample_weights, include_last_offset, table_name):
+    """Validate, group and run one sparse kernel; returns (rows, drows) for kind "grad"."""
+    if not isinstance(dout, np.ndarray) or dout.ndim != 2:
+        raise TypeError(f"dout must be a 2-D float32 ndarray, got "
+                        f"{getattr(dout, 'dtype', type(dout).__name__)} {getattr(dout, 'shape', '')}")
+    D = dout.shape[1] if table is None else table.shape[1]
+    indices, offsets, nbags, psw, mean = _check_common(indices, offsets, mode, per_sample_weights,
+                                                       include_last_offset)
+    dout = _as_float_array("dout", dout, (nbags, D))
+    nnz = indices.shape[0]
+    if num_rows > _MAX_ROWS or nnz > _MAX_NNZ:  # rows and positions share one int64 word
+        raise ValueError(f"embedding updates support up to 2**32 rows and 2**31 indices, got {num_rows} rows, "
+                         f"{nnz} indices")
+    last = bool(include_last_offset)
+    lo = _NO_LO if lo is None else lo
+    state = _NO_STATE if state is None else state
+    if kind != "grad":
+        threads = _num_threads()
+        path = _update_path(nnz, num_rows, threads)
+        if path != "sorted":
+            code, pos, val = _update_kernel(D, kind, path)(
+                indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, _scratch(nnz, 10), threads)
+            if code:
+                _raise_bag_error(code, pos, val, table_name, num_rows, nnz)
+            return None
+    buf = _scratch(nnz + 1, 7)
+    n = nnz + 1
+    work, fwork = buf[:6 * n].reshape(6, n), buf[6 * n:7 * n].view(np.float32)[:n]
+    err, rows, sbag, sscale, group, parts = _plan(indices, offsets, psw, nbags, num_rows, last, mean,
+                                                  max(1, min(_CHUNKS, nnz)), work, fwork)
+    if err[0]:
+        _raise_bag_error(*err, table_name, num_rows, nnz)
+    ngroups = group.shape[0] - 1
+    drows = np.empty((ngroups, D), np.float32) if kind == "grad" else _NO_ROWS
+    if ngroups and D:
+        _update_kernel(D, kind, "sorted")(
+            rows, sbag, sscale, group, parts, dout, np.float32(lr), np.float64(eps),
+            drows if table is None else table, lo, state, drows)
+    return (rows[group[:-1]], drows) if kind == "grad" else None
+
+
+def embedding_bag_backward(indices, offsets, dout, num_rows, *, mode="sum", per_sample_weights=None,
+                           include_last_offset=False):
+    """Coalesced sparse gradient; dout: (B, D) -> rows (U,) sorted unique int64, drows (U, D) float32."""
+    num_rows = operator.index(num_rows)
+    if num_rows < 0:
+        raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+    return _sparse_update("grad", None, None, None, indices, offsets, dout, num_rows, 0.0, 0.0, mode,
+                          per_sample_weights, include_last_offset, "num_rows")
+
+
+def embedding_bag_sgd_(weight, indices, offsets, dout, lr, *, mode="sum", per_sample_weights=None,
+                       include_last_offset=False):
+    """In place, fused: weight[rows] -= lr * drows (coalesce, then update). Returns weight."""
+    w, bf16 = _check_table(weight, writeable=True)
+    lr = _finite("lr", lr)
+    _sparse_update("sgd_bf16" if bf16 else "sgd", w, weight.lo if bf16 else None, None, indices, offsets,
+                   dout, w.shape[0], lr, 0.0, mode, per_sample_weights, include_last_offset, "weight")
+    return weight
+
+
+def embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, eps=1e-8, *, mode="sum",
+                           per_sample_weights=None, include_last_offset=False):
+    """In place, fused row-wise Adagrad; weight: (R, D), state: (R,) float32. Returns weight."""
+    w, _ = _check_table(weight, writeable=True, bf16_ok=False)
+    if not isinstance(state, np.ndarray) or state.dtype != np.float32:
+        raise TypeError(f"state must be a float32 ndarray, got {getattr(state, 'dtype', type(state).__name__)}")
+    if state.shape != (w.shape[0],) or not state.flags.c_contiguous or not state.flags.writeable:
+        raise ValueError(f"state must be a writeable contiguous ({w.shape[0]},) array, got shape {state.shape}")
+    lr = _finite("lr", lr)
+    eps = _finite("eps", eps)
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    _sparse_update("adagrad", w, None, state, indices, offsets, dout, w.shape[0], lr, eps, mode,
+                   per_sample_weights, include_last_offset, "weight")
+    return weight
