@@ -45,8 +45,9 @@ from .embedding import (
 )
 from .optim import as_float32, as_uint32
 
-UPDATE_PREFETCH = 16     # row groups the updates prefetch (for writing) ahead
+UPDATE_PREFETCH = 32     # row groups the updates prefetch (for writing) ahead
 HASHED_MAX_DENSITY = 8   # hashed grouping while nnz * this <= rows (sparse batches); sorted beyond
+LIST_REPEATS = 16        # gather the list heads first once more than 1 entry in this many repeats a row
 PARALLEL_MIN_NNZ = 8192  # below this many indices the hashed update runs on the calling thread
 _RADIX_BITS = 12         # digit width of the radix sort (4096-entry histogram)
 _CHUNKS = 64             # row-group parts of the sorted path
@@ -123,13 +124,12 @@ def _slot_bits(n):
 
 
 @jit(inline="always")
-def _insert(slots, bits, r, j, b, groups, nxt, ng):
-    """Entry j (row r, bag b) joins its row's list in slots[:2**bits]; a new row becomes group ng.
+def _insert(slots, bits, r, j, nxt, head):
+    """Entry j (row r) joins its row's list, found through slots[:2**bits].
 
-    Entries arrive in descending position, so pushing each at the list head leaves every list in
-    ascending position. A slot holds (row << 32) | group: one load per probe. groups[g] is the
-    record (row, head entry, head's bag, second entry or -1) the update reads in order, so most
-    rows need no other scratch read. Returns the group count."""
+    Entries arrive in descending position and each is pushed at the front, so a row's list runs
+    in ascending position from its head, its first occurrence. A slot holds (row << 32) | head:
+    one load per probe. head[j] is 1 while j heads its list, nxt[j] the next entry or -1."""
     hmask = np.uint64((np.int64(1) << bits) - 1)
     h = (np.uint64(r) * _GOLDEN) >> np.uint64(64 - bits)
     while True:
@@ -137,75 +137,35 @@ def _insert(slots, bits, r, j, b, groups, nxt, ng):
         if v == -1 or (v >> 32) & _LO32 == r:
             break
         h = (h + np.uint64(1)) & hmask
+    slots[h] = (r << 32) | j
+    head[j] = 1
     if v == -1:
-        slots[h] = (r << 32) | ng
-        groups[ng, 0] = r
-        groups[ng, 1] = j
-        groups[ng, 2] = b
-        groups[ng, 3] = -1
         nxt[j] = -1
-        return ng + 1
-    g = v & _LO32
-    nxt[j] = groups[g, 1]
-    groups[g, 3] = groups[g, 1]
-    groups[g, 1] = j
-    groups[g, 2] = b
-    return ng
-
-
-@jit(inline="always")
-def _apply_groups(groups, nxt, ebag, g0, g1, indices, offsets, psw, mean, last, dout, lr, eps,
-                  table, lo, state, D, DC, PF, ITEM, SGD, BF16):
-    """Update the rows of groups[g0:g1]: each sums its list's scaled dout rows in registers, then
-    is updated once. Two copies of the loop, so the common unscaled one tests nothing per entry
-    (with the test inside, LLVM compiled the whole kernel ~3x slower)."""
-    if mean or psw.shape[0] > 0:
-        _walk_groups(groups, nxt, ebag, g0, g1, indices, offsets, psw, mean, last, dout, lr, eps,
-                     table, lo, state, D, DC, PF, ITEM, SGD, BF16, True)
     else:
-        _walk_groups(groups, nxt, ebag, g0, g1, indices, offsets, psw, mean, last, dout, lr, eps,
-                     table, lo, state, D, DC, PF, ITEM, SGD, BF16, False)
-
-
-@jit(inline="always")
-def _walk_groups(groups, nxt, ebag, g0, g1, indices, offsets, psw, mean, last, dout, lr, eps,
-                 table, lo, state, D, DC, PF, ITEM, SGD, BF16, scaled):
-    """_apply_groups' loop; rows are prefetched for writing PF groups ahead (the reads miss in DRAM)."""
-    nbags, nnz = dout.shape[0], indices.shape[0]
-    acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
-    one = np.float32(1.0)
-    for g in range(g0, g1):
-        if g + PF < g1:
-            _prefetch_row(table, groups[g + PF, 0], D * ITEM, True)
-            if BF16:
-                _prefetch_row(lo, groups[g + PF, 0], D * ITEM, True)
-        j, b = groups[g, 1], groups[g, 2]
-        sc = _entry_scale(j, b, psw, mean, offsets, nbags, nnz, last) if scaled else one
-        _madd_row(acc, 0, dout, b, sc, D, DC, True)
-        j = groups[g, 3]
-        while j >= 0:  # the rare duplicates, in ascending position
-            b = ebag[j]
-            sc = _entry_scale(j, b, psw, mean, offsets, nbags, nnz, last) if scaled else one
-            _madd_row(acc, 0, dout, b, sc, D, DC, False)
-            j = nxt[j]
-        _apply_row(table, lo, state, groups[g, 0], acc, 0, lr, eps, D, DC, SGD, BF16)
+        nxt[j] = v & _LO32
+        head[v & _LO32] = 0
 
 
 @jit(inline="always")
 def _scratch_views(scratch, n):
-    """In scratch (>= 10 n int64): slots (4n,), groups (n, 4) records, nxt and ebag (n,) per entry."""
-    return scratch[:4 * n], scratch[4 * n:8 * n].reshape((n, 4)), scratch[8 * n:9 * n], scratch[9 * n:10 * n]
+    """In scratch (>= 7 n int64): slots (4n,), then nxt, ebag and head (n,) per entry."""
+    return scratch[:4 * n], scratch[4 * n:5 * n], scratch[5 * n:6 * n], scratch[6 * n:7 * n]
 
 
 @jit()
-def _group_rows(indices, offsets, nbags, last, num_rows, scratch):
-    """Thread every entry into its row's list: one reverse pass, tracking the bag backwards
-    (entry j's bag goes to ebag[j]). Returns the row count U: groups[:U] (see _insert)."""
+def _link_rows(indices, offsets, nbags, last, num_rows, scratch):
+    """Thread every entry into its row's list (one reverse pass; see _insert), noting each entry's
+    bag in ebag (tracked backwards from the last bag). Returns whether entry j is bag j for all j."""
     n = indices.shape[0]
-    slots, groups, nxt, ebag = _scratch_views(scratch, n)
+    slots, nxt, ebag, head = _scratch_views(scratch, n)
     bits = _slot_bits(min(n, num_rows))
     slots[:np.int64(1) << bits] = -1
-    ng = np.int64(0)
+    unit = _one_per_bag(offsets, nbags, n)
+    if unit:  # one-hot features, the common case: no bag to track or note
+        for k in range(n):
+            j = n - 1 - k
+            _insert(slots, bits, np.int64(indices[j]), j, nxt, head)
+        return unit
     b, s = nbags, n
     for k in range(n):
         j = n - 1 - k
@@ -213,8 +173,101 @@ def _group_rows(indices, offsets, nbags, last, num_rows, scratch):
             b -= 1
             s = offsets[b]
         ebag[j] = b
-        ng = _insert(slots, bits, np.int64(indices[j]), j, b, groups, nxt, ng)
-    return ng
+        _insert(slots, bits, np.int64(indices[j]), j, nxt, head)
+    return unit
+
+
+@jit(inline="always")
+def _one_per_bag(offsets, nbags, n):
+    """Whether bag b is exactly entry b for every b (a branch-free reduction that vectorises)."""
+    if nbags != n:
+        return False
+    same = True
+    for b in range(nbags):
+        same &= offsets[b] == b
+    return same
+
+
+@jit()
+def _list_heads(j0, j1, scratch, n):
+    """Gather the entries in [j0, j1) that head a list (branch-free) into the slots, free once the
+    lists are linked; returns the list."""
+    head = scratch[6 * n:7 * n]
+    heads = scratch[j0:j1]
+    m = 0
+    for j in range(j0, j1):
+        heads[m] = j
+        m += head[j]
+    return heads[:m]
+
+
+@functools.lru_cache(maxsize=None)
+def _walker(DC, PF, kind, listed):
+    """The update loop for compile-time width DC (0: runtime D), prefetch distance PF and update
+    kind: over a list of heads (listed), or over the entries j0 <= j < j0 + len(heads) that head
+    a list (heads then only gives the count). Copies for unscaled and scaled (per-sample weights
+    or mean) entries, so the common one tests nothing per entry."""
+    ITEM = 2 if kind == "sgd_bf16" else 4
+    SGD, BF16 = kind == "sgd", kind == "sgd_bf16"
+
+    @jit(inline="always")
+    def loop(heads, j0, unit, scaled, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch):
+        nbags, n = dout.shape[0], indices.shape[0]
+        D = DC if DC else dout.shape[1]
+        nxt, ebag, head = scratch[4 * n:5 * n], scratch[5 * n:6 * n], scratch[6 * n:7 * n]
+        acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
+        one = np.float32(1.0)
+        m = heads.shape[0]
+        for i in range(m):
+            if i + PF < m:  # rows are prefetched for writing (the reads miss in DRAM); unlisted, a
+                r = indices[heads[i + PF]] if listed else indices[j0 + i + PF]  # repeat's row at times
+                _prefetch_row(table, r, D * ITEM, True)
+                if BF16:
+                    _prefetch_row(lo, r, D * ITEM, True)
+            j = heads[i] if listed else j0 + i
+            if listed or head[j]:
+                k = j
+                first = True
+                while k >= 0:  # the list, in ascending position; most lists have one entry
+                    b = k if unit else ebag[k]
+                    sc = _entry_scale(k, b, psw, mean, offsets, nbags, n, last) if scaled else one
+                    _madd_row(acc, 0, dout, b, sc, D, DC, first)
+                    first = False
+                    k = nxt[k]
+                _apply_row(table, lo, state, indices[j], acc, 0, lr, eps, D, DC, SGD, BF16)
+
+    @jit(fastmath=frozenset())
+    def walk(heads, j0, unit, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch):
+        if mean or psw.shape[0] > 0:
+            loop(heads, j0, unit, True, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch)
+        elif listed or not unit:
+            loop(heads, j0, unit, False, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch)
+        else:  # one-hot bags, unscaled: the common case, nothing tested per entry but the head
+            loop(heads, j0, True, False, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch)
+    return walk
+
+
+@functools.lru_cache(maxsize=None)
+def _applier(DC, PF, kind):
+    """apply(j0, j1, ...): update the rows whose first occurrence is in [j0, j1); one per (DC, PF,
+    kind), shared by the serial and parallel kernels."""
+    walk_listed = _walker(DC, PF, kind, True)
+    walk_range = _walker(DC, PF, kind, False)
+
+    @jit(fastmath=frozenset())  # strict IEEE: every path and bf16/fp32 round identically
+    def apply(j0, j1, unit, indices, offsets, psw, mean, last, dout, lr32, eps, table, lo, state, scratch):
+        # update the rows whose first occurrence is in [j0, j1): walk the entries, testing each for
+        # a list head, or, when many repeat a row (the test then mispredicts often), list the heads
+        # first. The walks are functions of their own: inlined here, or in a prange body, LLVM
+        # compiled them several times slower, and compiling took minutes.
+        n = indices.shape[0]
+        if ((j1 - j0) - scratch[6 * n + j0:6 * n + j1].sum()) * LIST_REPEATS > j1 - j0:
+            walk_listed(_list_heads(j0, j1, scratch, n), 0, unit, indices, offsets, psw, mean, last, dout, lr32,
+                        eps, table, lo, state, scratch)
+        else:
+            walk_range(scratch[j0:j1], j0, unit, indices, offsets, psw, mean, last, dout, lr32, eps, table, lo,
+                       state, scratch)
+    return apply
 
 
 @kernel_factory("embedding_bag_update")
@@ -225,38 +278,35 @@ def _update_factory(spec):
     if path == "sorted":
         return _sorted_update(DC, PF, ITEM, GRAD, SGD, BF16)
 
-    @jit(fastmath=frozenset())  # strict IEEE: every path and bf16/fp32 round identically
-    def apply(g0, g1, indices, offsets, psw, mean, last, dout, lr32, eps, table, lo, state, scratch):
-        # update the rows of groups g0 <= g < g1 (one thread's share); a function of its own, not
-        # a prange body (there LLVM compiled these loops several times slower)
-        _, groups, nxt, ebag = _scratch_views(scratch, indices.shape[0])
-        _apply_groups(groups, nxt, ebag, g0, g1, indices, offsets, psw, mean, last, dout, lr32, eps, table, lo, state,
-                      DC if DC else dout.shape[1], DC, PF, ITEM, SGD, BF16)
+    apply = _applier(DC, PF, kind)
 
     @jit(fastmath=frozenset())
     def hashed(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch, nparts):
         # indices: (nnz,), offsets: (B,)|(B+1,), dout: (B, D), table: (R, D) float32 or bf16 hi bits
-        # with lo (R, D) the low halves, state: (R,) Adagrad, scratch: (>= 10 nnz,) int64
+        # with lo (R, D) the low halves, state: (R,) Adagrad, scratch: (>= 7 nnz,) int64
         code, bad, value = _validate_bags(indices, offsets, dout.shape[0], table.shape[0], last)
         if code:
             return code, bad, value
-        ng = _group_rows(indices, offsets, dout.shape[0], last, table.shape[0], scratch)
+        unit = _link_rows(indices, offsets, dout.shape[0], last, table.shape[0], scratch)
         # lr arrives as a Python float: converting here costs less than np.float32() in the wrapper
-        apply(0, ng, indices, offsets, psw, mean, last, dout, np.float32(lr), eps, table, lo, state, scratch)
+        apply(0, indices.shape[0], unit, indices, offsets, psw, mean, last, dout, np.float32(lr), eps,
+              table, lo, state, scratch)
         return 0, 0, 0
 
     @jit(parallel=True, fastmath=frozenset())
     def hashed_parallel(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch, nparts):
-        # the same, the rows cut into nparts ranges of groups, one per thread: distinct rows, so no
-        # two threads touch one. Grouping stays serial: split by owner (each thread scanning all
-        # entries for its rows) it cost more in mispredicted branches than it saved.
+        # the same, the entries cut into nparts position ranges, one per thread: a row is updated
+        # by the range holding its first occurrence only, so no two threads touch one. Linking
+        # stays serial: split by owner (each thread scanning all entries for its rows, or a
+        # counting scatter into owner buckets first) it cost more than it saved.
         code, bad, value = _validate_bags(indices, offsets, dout.shape[0], table.shape[0], last)
         if code:
             return code, bad, value
-        ng = _group_rows(indices, offsets, dout.shape[0], last, table.shape[0], scratch)
+        n = indices.shape[0]
+        unit = _link_rows(indices, offsets, dout.shape[0], last, table.shape[0], scratch)
         lr32 = np.float32(lr)
         for t in prange(nparts):
-            apply(t * ng // nparts, (t + 1) * ng // nparts, indices, offsets, psw, mean, last, dout, lr32, eps,
+            apply(t * n // nparts, (t + 1) * n // nparts, unit, indices, offsets, psw, mean, last, dout, lr32, eps,
                   table, lo, state, scratch)
         return 0, 0, 0
     return hashed_parallel if path == "hashed-parallel" else hashed
@@ -394,10 +444,13 @@ def _scratch(n, per_entry):
 def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr, eps, mode,
                    per_sample_weights, include_last_offset, table_name):
     """Validate, group and run one sparse kernel; returns (rows, drows) for kind "grad"."""
-    if not isinstance(dout, np.ndarray) or dout.ndim != 2:
+    if table is not None:
+        D = table.shape[1]
+    elif isinstance(dout, np.ndarray) and dout.ndim == 2:
+        D = dout.shape[1]
+    else:
         raise TypeError(f"dout must be a 2-D float32 ndarray, got "
                         f"{getattr(dout, 'dtype', type(dout).__name__)} {getattr(dout, 'shape', '')}")
-    D = dout.shape[1] if table is None else table.shape[1]
     indices, offsets, nbags, psw, mean = _check_common(indices, offsets, mode, per_sample_weights,
                                                        include_last_offset)
     dout = _as_float_array("dout", dout, (nbags, D))
@@ -413,7 +466,7 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
         path = _update_path(nnz, num_rows, threads)
         if path != "sorted":
             code, pos, val = _update_kernel(D, kind, path)(
-                indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, _scratch(nnz, 10), threads)
+                indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, _scratch(nnz, 7), threads)
             if code:
                 _raise_bag_error(code, pos, val, table_name, num_rows, nnz)
             return None
