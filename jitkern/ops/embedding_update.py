@@ -7,11 +7,11 @@ thread count. Two ways to find each row's occurrences:
 
 - hashed (the fused updates when a batch touches few rows of the table, the usual case): one
   reverse pass over the entries inserts each row into an open-addressing table and threads its
-  occurrences into a linked list (in ascending position), keeping per row a record the update
-  reads in order; the update pass walks the records, sums each row's gradient in registers and
-  updates the row once, prefetching rows ahead. Nothing is sorted and no per-row gradient is
-  written to memory. With several threads the records are cut into one range per thread:
-  distinct rows, so no atomics.
+  occurrences into a linked list headed by its first occurrence; a forward pass then visits the
+  heads, sums each list's gradient in registers and updates the row once, prefetching rows
+  ahead. Nothing is sorted and no per-row gradient is written to memory. With several threads
+  the forward pass is cut into position ranges, one per thread: a row is updated by the range
+  holding its head only, so no atomics.
 - sorted (the backward, whose rows come out sorted, and dense batches that touch a large
   share of the table): a stable LSD radix sort of (row, position) pairs; the groups are cut
   into contiguous row ranges that prange hands to the threads. Applying the updates in row
