@@ -280,29 +280,36 @@ def _update_factory(spec):
 
     apply = _applier(DC, PF, kind)
 
-    @jit(parallel=True, fastmath=frozenset())  # strict IEEE: every path and bf16/fp32 round identically
+    @jit(fastmath=frozenset())
     def hashed(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch, nparts):
         # indices: (nnz,), offsets: (B,)|(B+1,), dout: (B, D), table: (R, D) float32 or bf16 hi bits
-        # with lo (R, D) the low halves, state: (R,) Adagrad, scratch: (>= 7 nnz,) int64.
-        # nparts > 1: the update pass is cut into nparts position ranges, one per thread; a row is
-        # updated by the range holding its first occurrence only, so no two threads touch one.
-        # Linking stays serial: split by owner (each thread scanning all entries for its rows, or
-        # a counting scatter into owner buckets first) it cost more than it saved. One kernel for
-        # both: nparts == 1 never enters the parallel region (whose start costs microseconds).
+        # with lo (R, D) the low halves, state: (R,) Adagrad, scratch: (>= 7 nnz,) int64
+        code, bad, value = _validate_bags(indices, offsets, dout.shape[0], table.shape[0], last)
+        if code:
+            return code, bad, value
+        unit = _link_rows(indices, offsets, dout.shape[0], last, table.shape[0], scratch)
+        # lr arrives as a Python float: converting here costs less than np.float32() in the wrapper
+        apply(0, indices.shape[0], unit, indices, offsets, psw, mean, last, dout, np.float32(lr), eps,
+              table, lo, state, scratch)
+        return 0, 0, 0
+
+    @jit(parallel=True, fastmath=frozenset())
+    def hashed_parallel(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch, nparts):
+        # the same, the entries cut into nparts position ranges, one per thread: a row is updated
+        # by the range holding its first occurrence only, so no two threads touch one. Linking
+        # stays serial: split by owner (each thread scanning all entries for its rows, or a
+        # counting scatter into owner buckets first) it cost more than it saved.
         code, bad, value = _validate_bags(indices, offsets, dout.shape[0], table.shape[0], last)
         if code:
             return code, bad, value
         n = indices.shape[0]
         unit = _link_rows(indices, offsets, dout.shape[0], last, table.shape[0], scratch)
-        lr32 = np.float32(lr)  # lr arrives as a Python float: cheaper than np.float32() in the wrapper
-        if nparts == 1:
-            apply(0, n, unit, indices, offsets, psw, mean, last, dout, lr32, eps, table, lo, state, scratch)
-        else:
-            for t in prange(nparts):
-                apply(t * n // nparts, (t + 1) * n // nparts, unit, indices, offsets, psw, mean, last, dout, lr32,
-                      eps, table, lo, state, scratch)
+        lr32 = np.float32(lr)
+        for t in prange(nparts):
+            apply(t * n // nparts, (t + 1) * n // nparts, unit, indices, offsets, psw, mean, last, dout, lr32, eps,
+                  table, lo, state, scratch)
         return 0, 0, 0
-    return hashed
+    return hashed_parallel if path == "hashed-parallel" else hashed
 
 
 # ----------------------------------------------------------------------------- sorted path
@@ -458,9 +465,8 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
         threads = _num_threads()
         path = _update_path(nnz, num_rows, threads)
         if path != "sorted":
-            code, pos, val = _update_kernel(D, kind, "hashed")(
-                indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, _scratch(nnz, 7),
-                threads if path == "hashed-parallel" else 1)
+            code, pos, val = _update_kernel(D, kind, path)(
+                indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, _scratch(nnz, 7), threads)
             if code:
                 _raise_bag_error(code, pos, val, table_name, num_rows, nnz)
             return None
