@@ -238,7 +238,7 @@ def _walker(DC, PF, kind, listed):
 
     @jit(fastmath=frozenset())
     def walk(heads, j0, unit, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch):
-        if mean or psw.shape[0] > 0:
+        if listed and (mean or psw.shape[0] > 0):  # scaled entries are always listed (see _applier)
             loop(heads, j0, unit, True, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch)
         elif listed or not unit:
             loop(heads, j0, unit, False, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch)
@@ -261,7 +261,9 @@ def _applier(DC, PF, kind):
         # first. The walks are functions of their own: inlined here, or in a prange body, LLVM
         # compiled them several times slower, and compiling took minutes.
         n = indices.shape[0]
-        if ((j1 - j0) - scratch[6 * n + j0:6 * n + j1].sum()) * LIST_REPEATS > j1 - j0:
+        # scaled entries (per-sample weights, mean) always take the listed walk: one loop copy fewer
+        # to compile, for ~0.4 ns an entry
+        if mean or psw.shape[0] > 0 or ((j1 - j0) - scratch[6 * n + j0:6 * n + j1].sum()) * LIST_REPEATS > j1 - j0:
             walk_listed(_list_heads(j0, j1, scratch, n), 0, unit, indices, offsets, psw, mean, last, dout, lr32,
                         eps, table, lo, state, scratch)
         else:
