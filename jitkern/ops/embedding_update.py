@@ -45,7 +45,7 @@ from .embedding import (
 )
 from .optim import as_float32, as_uint32
 
-UPDATE_PREFETCH = 32     # row groups the updates prefetch (for writing) ahead
+UPDATE_PREFETCH = 32     # entries ahead whose rows the updates prefetch for writing (16-32: within noise)
 HASHED_MAX_DENSITY = 8   # hashed grouping while nnz * this <= rows (sparse batches); sorted beyond
 LIST_REPEATS = 16        # gather the list heads first once more than 1 entry in this many repeats a row
 PARALLEL_MIN_NNZ = 8192  # below this many indices the hashed update runs on the calling thread
