@@ -22,7 +22,7 @@ from numba import prange
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory
 from ..codegen.prefetch import prefetch, prefetch_write
 from ..codegen.rowvec import row_axpy, row_set, stack_f32
-from .optim import SplitBF16Table, widen
+from .optim import SplitBF16Table, as_float32, as_uint32, widen
 
 SPECIALISED_D = (16, 32, 64, 128)  # widths that get a compile-time-D kernel
 SERIAL_WORK = 1 << 14              # nnz * D up to which a call runs serially even with several threads
@@ -353,3 +353,36 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
     if dest is not out:
         np.copyto(out, dest)
     return out
+
+
+# ----------------------------------------------------------------------------- row updates (shared by the sparse paths)
+
+
+@jit(inline="always")
+def _apply_row(table, lo, state, r, acc, a, lr, eps, D, DC, SGD, BF16):
+    """Row r of the table takes its coalesced gradient acc[a]: SGD, bf16 Split-SGD or row-wise Adagrad."""
+    if SGD:
+        _madd_row(table, r, acc, a, -lr, D, DC, False)  # w + (-lr * g): exactly w - lr * g
+    elif BF16:
+        for d in range(D):
+            w = as_float32((np.uint32(table[r, d]) << np.uint32(16)) | np.uint32(lo[r, d]))
+            bits = as_uint32(w - lr * acc[a, d])
+            table[r, d] = np.uint16(bits >> np.uint32(16))
+            lo[r, d] = np.uint16(bits & np.uint32(0xFFFF))
+    else:
+        ss = 0.0
+        for d in range(D):
+            ss += np.float64(acc[a, d]) * np.float64(acc[a, d])
+        s_new = np.float32(state[r] + ss / D)
+        state[r] = s_new
+        step = np.float32(lr / (math.sqrt(np.float64(s_new)) + eps))
+        _madd_row(table, r, acc, a, -step, D, DC, False)
+
+
+@jit(inline="always")
+def _entry_scale(j, b, psw, mean, offsets, nbags, nnz, last):
+    """Entry j's weight in bag b's gradient: its per-sample weight, over the bag size for mean."""
+    sc = psw[j] if psw.shape[0] > 0 else np.float32(1.0)
+    if mean:
+        sc = sc * (np.float32(1.0) / np.float32(_bag_end(offsets, b, nbags, nnz, last) - offsets[b]))
+    return sc

@@ -12,15 +12,14 @@ thread count. Two ways to find each row's occurrences:
   ahead. Nothing is sorted and no per-row gradient is written to memory. With several threads
   the forward pass is cut into position ranges, one per thread: a row is updated by the range
   holding its head only, so no atomics.
-- sorted (the backward, whose rows come out sorted, and dense batches that touch a large
-  share of the table): a stable LSD radix sort of (row, position) pairs; the groups are cut
-  into contiguous row ranges that prange hands to the threads. Applying the updates in row
-  order streams through the table, which wins once the touched rows are dense.
+- sorted (ops/embedding_sorted.py; the backward, whose rows come out sorted, and dense batches
+  that touch a large share of the table): a stable LSD radix sort of (row, position) pairs,
+  the groups cut into contiguous row ranges that prange hands to the threads. Applying the
+  updates in row order streams through the table, which wins once the touched rows are dense.
 """
 from __future__ import annotations
 
 import functools
-import math
 import operator
 import threading
 
@@ -30,12 +29,12 @@ from numba import prange
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory
 from ..codegen.rowvec import stack_f32
 from .embedding import (
-    _bag_end,
+    _apply_row,
     _as_float_array,
-    _check_bags,
     _check_common,
     _check_table,
     _d_class,
+    _entry_scale,
     _finite,
     _madd_row,
     _num_threads,
@@ -43,13 +42,12 @@ from .embedding import (
     _raise_bag_error,
     _validate_bags,
 )
-from .optim import as_float32, as_uint32
+from .embedding_sorted import plan, sorted_update
 
 UPDATE_PREFETCH = 32     # entries ahead whose rows the updates prefetch for writing (16-32: within noise)
 HASHED_MAX_DENSITY = 8   # hashed grouping while nnz * this <= rows (sparse batches); sorted beyond
 LIST_REPEATS = 16        # gather the list heads first once more than 1 entry in this many repeats a row
 PARALLEL_MIN_NNZ = 8192  # below this many indices the hashed update runs on the calling thread
-_RADIX_BITS = 12         # digit width of the radix sort (4096-entry histogram)
 _CHUNKS = 64             # row-group parts of the sorted path
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: a row's slot is the top bits of row * this
 _LO32 = (1 << 32) - 1
@@ -76,39 +74,6 @@ def _update_kernel(dim, kind, path):
     """get_kernel, memoised (its per-call config read costs ~20 us; the DLRM calls once per table)."""
     return get_kernel(KernelSpec.make("embedding_bag_update", D=_d_class(dim), pf=UPDATE_PREFETCH, kind=kind,
                                       path=path))
-
-
-# ----------------------------------------------------------------------------- shared row update
-
-
-@jit(inline="always")
-def _apply_row(table, lo, state, r, acc, a, lr, eps, D, DC, SGD, BF16):
-    """Row r of the table takes its coalesced gradient acc[a]: SGD, bf16 Split-SGD or row-wise Adagrad."""
-    if SGD:
-        _madd_row(table, r, acc, a, -lr, D, DC, False)  # w + (-lr * g): exactly w - lr * g
-    elif BF16:
-        for d in range(D):
-            w = as_float32((np.uint32(table[r, d]) << np.uint32(16)) | np.uint32(lo[r, d]))
-            bits = as_uint32(w - lr * acc[a, d])
-            table[r, d] = np.uint16(bits >> np.uint32(16))
-            lo[r, d] = np.uint16(bits & np.uint32(0xFFFF))
-    else:
-        ss = 0.0
-        for d in range(D):
-            ss += np.float64(acc[a, d]) * np.float64(acc[a, d])
-        s_new = np.float32(state[r] + ss / D)
-        state[r] = s_new
-        step = np.float32(lr / (math.sqrt(np.float64(s_new)) + eps))
-        _madd_row(table, r, acc, a, -step, D, DC, False)
-
-
-@jit(inline="always")
-def _entry_scale(j, b, psw, mean, offsets, nbags, nnz, last):
-    """Entry j's weight in bag b's gradient: its per-sample weight, over the bag size for mean."""
-    sc = psw[j] if psw.shape[0] > 0 else np.float32(1.0)
-    if mean:
-        sc = sc * (np.float32(1.0) / np.float32(_bag_end(offsets, b, nbags, nnz, last) - offsets[b]))
-    return sc
 
 
 # ----------------------------------------------------------------------------- hashed path
@@ -278,7 +243,7 @@ def _update_factory(spec):
     ITEM = 2 if kind == "sgd_bf16" else 4
     GRAD, SGD, BF16, _ = (kind == k for k in _UPDATES)
     if path == "sorted":
-        return _sorted_update(DC, PF, ITEM, GRAD, SGD, BF16)
+        return sorted_update(DC, PF, ITEM, GRAD, SGD, BF16)
 
     apply = _applier(DC, PF, kind)
 
@@ -312,117 +277,6 @@ def _update_factory(spec):
                   table, lo, state, scratch)
         return 0, 0, 0
     return hashed_parallel if path == "hashed-parallel" else hashed
-
-
-# ----------------------------------------------------------------------------- sorted path
-
-
-@jit()
-def _plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts, work, fwork):
-    """Sort (row, position) pairs by row (stable LSD radix sort) and cut the groups of equal rows
-    into nparts contiguous ranges of about equal length.
-
-    Returns the (code, position, value) of _check_bags, then in sorted order rows (nnz,), the bag
-    (nnz,) and the scale (nnz,) float32 (per-sample weight / bag size for mean) of each entry, so
-    the update reads them sequentially, then group (U + 1,) the start of each group of equal
-    rows and parts (nparts + 1,) the group cuts. work (6, nnz + 1) int64 and fwork (nnz + 1,)
-    float32 are scratch the results are views of.
-    """
-    nnz = indices.shape[0]
-    code, bad, value = _check_bags(indices, offsets, nbags, num_rows, last)
-    if code:
-        none = np.empty(0, np.int64)
-        return (code, bad, value), none, none, np.empty(0, np.float32), none, none
-    bag_of = work[0, :nnz]
-    inv_len = np.ones(nbags, np.float32)
-    for b in range(nbags):
-        s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
-        if mean and e > s:
-            inv_len[b] = np.float32(1.0) / np.float32(e - s)
-        for j in range(s, e):
-            bag_of[j] = b
-    nbits = 0
-    while (np.int64(1) << nbits) < num_rows:
-        nbits += 1
-    npass = max(1, (nbits + _RADIX_BITS - 1) // _RADIX_BITS)
-    digit = (nbits + npass - 1) // npass
-    mask = (np.int64(1) << digit) - 1
-    # the histograms of every pass in one read of the indices
-    count = np.zeros((npass, (np.int64(1) << digit) + 1), np.int64)
-    for j in range(nnz):
-        r = np.int64(indices[j])
-        for p in range(npass):
-            count[p, ((r >> (p * digit)) & mask) + 1] += 1
-    for p in range(npass):
-        for k in range(1, count.shape[1]):
-            count[p, k] += count[p, k - 1]
-    # Each entry moves as one word, (row << 32) | position: half the traffic of separate row and
-    # position arrays. Rows < 2**32 (the wrapper checks); bit 63 may make the word negative, so a
-    # digit is read from the row recovered with a mask (a shift alone would drag the sign in).
-    keys, keys2 = work[1, :nnz], work[3, :nnz]
-    for j in range(nnz):  # pass 0 scatters straight from the indices, later passes ping-pong
-        r = np.int64(indices[j])
-        k = r & mask
-        t = count[0, k]
-        count[0, k] = t + 1
-        keys[t] = (r << 32) | j
-    for p in range(1, npass):
-        shift = p * digit
-        for j in range(nnz):
-            key = keys[j]
-            k = (((key >> 32) & _LO32) >> shift) & mask
-            t = count[p, k]
-            count[p, k] = t + 1
-            keys2[t] = key
-        keys, keys2 = keys2, keys
-    # unpack in one sweep: rows, group starts, and each entry's bag and scale
-    rows, starts, sbag, sscale = work[2, :nnz], work[4], work[5, :nnz], fwork[:nnz]
-    has_psw = psw.shape[0] > 0
-    ngroups = 0
-    for k in range(nnz):
-        key = keys[k]
-        r = (key >> 32) & _LO32
-        j = key & _LO32
-        rows[k] = r
-        if k == 0 or r != rows[k - 1]:
-            starts[ngroups] = k
-            ngroups += 1
-        b = bag_of[j]
-        sbag[k] = b
-        sscale[k] = (psw[j] if has_psw else np.float32(1.0)) * inv_len[b]
-    starts[ngroups] = nnz
-    group = starts[:ngroups + 1]
-    parts = np.empty(nparts + 1, np.int64)
-    for t in range(nparts + 1):
-        parts[t] = np.searchsorted(group, t * nnz // nparts)  # first group starting at or after the cut
-    parts[nparts] = ngroups
-    return (code, bad, value), rows, sbag, sscale, group, parts
-
-
-def _sorted_update(DC, PF, ITEM, GRAD, SGD, BF16):
-    @jit(parallel=True, fastmath=frozenset())
-    def update(rows, sbag, sscale, group, parts, dout, lr, eps, table, lo, state, drows):
-        # table: (R, D) float32 weight, or bf16 hi bits with lo the low halves; state: (R,) Adagrad;
-        # drows: (U, D) output of kind "grad". Part t (one thread's) owns the row groups parts[t]:parts[t+1].
-        D = DC if DC else dout.shape[1]
-        ngroups = group.shape[0] - 1
-        for t in prange(parts.shape[0] - 1):
-            acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
-            g0, g1 = parts[t], parts[t + 1]
-            for g in range(g0, g1):
-                if not GRAD and g + PF < ngroups:  # a hint only: may touch the next part's rows
-                    _prefetch_row(table, rows[group[g + PF]], D * ITEM, True)
-                    if BF16:
-                        _prefetch_row(lo, rows[group[g + PF]], D * ITEM, True)
-                # the coalesced gradient of this row: its occurrences in position order
-                for k in range(group[g], group[g + 1]):
-                    _madd_row(acc, 0, dout, sbag[k], sscale[k], D, DC, k == group[g])
-                r = rows[group[g]]
-                if GRAD:
-                    _madd_row(drows, g, acc, 0, np.float32(1.0), D, DC, True)
-                else:
-                    _apply_row(table, lo, state, r, acc, 0, lr, eps, D, DC, SGD, BF16)
-    return update
 
 
 # ----------------------------------------------------------------------------- scratch and wrappers
@@ -475,7 +329,7 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
     buf = _scratch(nnz + 1, 7)
     n = nnz + 1
     work, fwork = buf[:6 * n].reshape(6, n), buf[6 * n:7 * n].view(np.float32)[:n]
-    err, rows, sbag, sscale, group, parts = _plan(indices, offsets, psw, nbags, num_rows, last, mean,
+    err, rows, sbag, sscale, group, parts = plan(indices, offsets, psw, nbags, num_rows, last, mean,
                                                   max(1, min(_CHUNKS, nnz)), work, fwork)
     if err[0]:
         _raise_bag_error(*err, table_name, num_rows, nnz)
