@@ -74,4 +74,3 @@ def sleep_idle_workers() -> None:
     shared box (they steal the core the working thread needs), and the 2-thread fused embedding
     update 4x slower even on an idle 2-core VM; sleeping costs a few microseconds per region."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-

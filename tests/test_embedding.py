@@ -42,7 +42,7 @@ PATHS = ("fast", "general", "hashed-parallel")
 def _force_path(mp, path):
     """Whatever the sizes and thread count would choose -- fast: the serial forward and the
     serially hashed updates; general: the parallel forward and the radix-sorted updates;
-    hashed-parallel: the parallel forward and updates hashed in 3 owner parts."""
+    hashed-parallel: the parallel forward and hashed updates applied in 3 position ranges."""
     mp.setattr(embedding, "_serial", lambda work, dim: path == "fast")
     update = {"fast": "hashed", "general": "sorted", "hashed-parallel": "hashed-parallel"}[path]
     mp.setattr(embedding_update, "_update_path", lambda nnz, num_rows, threads: update)
@@ -118,7 +118,7 @@ def test_backward_and_updates_match_reference(p):
 
 @given(problems())
 def test_all_paths_agree_bit_for_bit(p):
-    """Serial and parallel forward; serially hashed, owner-partitioned hashed and sorted updates:
+    """Serial and parallel forward; hashed updates applied in 1 or 3 position ranges and sorted ones:
     the same sums in the same order."""
     w, idx, off, dout, kw, _ = p
     results = []
