@@ -239,6 +239,8 @@ def test_empty_table_is_a_plain_writeable_table(rows):
     w = empty_table(rows, 16)
     assert w.shape == (rows, 16) and w.dtype == np.float32
     assert w.flags.c_contiguous and w.flags.writeable and w.flags.aligned
+    assert w.ctypes.data % 64 == 0  # rows of whole cache lines
+    assert empty_table(0, 5).shape == (0, 5)
     w[:] = np.arange(16, dtype=np.float32)
     idx, off = np.array([rows - 1, 0, 1], np.int64), np.array([0, 1], np.int64)
     np.testing.assert_array_equal(embedding_bag_forward(w, idx, off), [np.arange(16), 2 * np.arange(16)])

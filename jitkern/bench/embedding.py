@@ -1,7 +1,9 @@
 """python -m jitkern bench embedding [--threads N] [--quick]: embedding-bag forward and fused SGD.
 
 Per table size R and width D, one table is allocated and shared by every implementation (torch
-sees it through torch.from_numpy), then for each index draw (uniform pooling 1 and 20, Zipf-skewed
+sees it through torch.from_numpy): by default as jitkern and its DLRM allocate tables
+(ops.empty_table: 64-byte aligned like torch's own tensors, on huge pages where the OS offers
+them), with --alloc numpy as np.full does (16-byte aligned, 4 KiB pages). Then for each index draw (uniform pooling 1 and 20, Zipf-skewed
 pooling 20) the forward and the update are timed against NumPy and, when importable, torch.
 Rows/s count looked-up (forward) or updated (SGD) index entries; GB/s counts the table bytes those
 rows move (read for forward, read + write for updates), next to this machine's copy bandwidth.
@@ -39,8 +41,12 @@ def _numpy_add_at_sgd(w, idx, off, dout, pooling):
     np.add.at(w, idx, np.repeat(dout * np.float32(-LR), pooling, axis=0))
 
 
-def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes):
-    w = np.full((num_rows, dim), 0.01, np.float32)  # touch every page: no zero-page reads
+def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc="jitkern"):
+    if alloc == "numpy":
+        w = np.full((num_rows, dim), 0.01, np.float32)
+    else:
+        w = ops.empty_table(num_rows, dim)
+        w.fill(0.01)  # touch every page: no zero-page reads
     split = SplitBF16Table.from_float32(w) if dim == 128 else None
     tw = torch.from_numpy(w) if torch else None
     for pooling, dist in dists:
@@ -121,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--dims", type=int, nargs="+", help="widths D (default 16 64 128)")
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    p.add_argument("--alloc", choices=("jitkern", "numpy"), default="jitkern",
+                   help="table memory: ops.empty_table (default) or np.full")
     args = p.parse_args(argv)
     set_threads(args.threads)
     torch = None if args.no_torch else torch_or_none()
@@ -128,14 +136,14 @@ def main(argv=None) -> int:
     dims = args.dims or ([16, 128] if args.quick else [16, 64, 128])
     dists = [(1, "uniform"), (20, "uniform"), (20, "zipf")]
     bw = copy_bandwidth_gbs()
-    print(f"embedding bags: B={args.batch}, threads={args.threads}, copy bandwidth {bw:.1f} GB/s, "
+    print(f"embedding bags: B={args.batch}, threads={args.threads}, tables from {args.alloc}, copy bandwidth {bw:.1f} GB/s, "
           f"torch {'yes' if torch else 'not installed'}; ratio = baseline time / this time "
           "(baseline: torch when present, else NumPy); vs numpy: NumPy time / this time")
     rng = np.random.default_rng(0)
     table, notes = [], []
     for r in rows:
         for d in dims:
-            _bench_table(rng, r, d, args.batch, dists, torch, table, notes)
+            _bench_table(rng, r, d, args.batch, dists, torch, table, notes, args.alloc)
     print_table(["case", "op", "impl", "ms", "spread", "Mrows/s", "GB/s", "ratio", "vs numpy"], table)
     print(f"threads={args.threads}:", *notes, sep="\n  ")
     return 0

@@ -1,5 +1,5 @@
 """Public kernels: checked wrappers over generated code. References live in ops.reference."""
-from .embedding import embedding_bag_forward
+from .embedding import embedding_bag_forward, empty_table
 from .embedding_update import embedding_bag_adagrad_, embedding_bag_backward, embedding_bag_sgd_
 from .gemm import batch_reduce_gemm, gemm, linear_backward, linear_forward
 from .interaction import (
@@ -13,7 +13,7 @@ from .optim import SplitBF16Table, sgd_
 
 __all__ = [
     "batch_reduce_gemm", "embedding_bag_adagrad_", "embedding_bag_backward", "embedding_bag_forward",
-    "embedding_bag_sgd_", "gemm", "interaction_cat_backward", "interaction_cat_forward",
+    "embedding_bag_sgd_", "empty_table", "gemm", "interaction_cat_backward", "interaction_cat_forward",
     "interaction_dot_backward", "interaction_dot_forward", "linear_backward", "linear_forward",
     "sgd_", "sigmoid_bce_backward", "sigmoid_bce_forward",
 ]

@@ -12,7 +12,7 @@ from numba import prange
 
 from ..codegen import jit
 from ..codegen.rowvec import stack_f32
-from .embedding import _apply_row, _bag_end, _check_bags, _madd_row, _prefetch_row
+from .embedding import _apply_row, _bag_end, _check_bags, _madd_row, _prefetch_row, _straddles
 
 RADIX_BITS = 12  # digit width of the radix sort (4096-entry histogram)
 _LO32 = (1 << 32) - 1
@@ -107,14 +107,15 @@ def sorted_update(DC, PF, ITEM, GRAD, SGD, BF16):
         # drows: (U, D) output of kind "grad". Part t (one thread's) owns the row groups parts[t]:parts[t+1].
         D = DC if DC else dout.shape[1]
         ngroups = group.shape[0] - 1
+        tail, lo_tail = _straddles(table, D * ITEM), _straddles(lo, D * ITEM)
         for t in prange(parts.shape[0] - 1):
             acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
             g0, g1 = parts[t], parts[t + 1]
             for g in range(g0, g1):
                 if not GRAD and g + PF < ngroups:  # a hint only: may touch the next part's rows
-                    _prefetch_row(table, rows[group[g + PF]], D * ITEM, True)
+                    _prefetch_row(table, rows[group[g + PF]], D * ITEM, True, tail)
                     if BF16:
-                        _prefetch_row(lo, rows[group[g + PF]], D * ITEM, True)
+                        _prefetch_row(lo, rows[group[g + PF]], D * ITEM, True, lo_tail)
                 # the coalesced gradient of this row: its occurrences in position order
                 for k in range(group[g], group[g + 1]):
                     _madd_row(acc, 0, dout, sbag[k], sscale[k], D, DC, k == group[g])

@@ -40,6 +40,7 @@ from .embedding import (
     _num_threads,
     _prefetch_row,
     _raise_bag_error,
+    _straddles,
     _validate_bags,
 )
 from .embedding_sorted import plan, sorted_update
@@ -182,12 +183,13 @@ def _walker(DC, PF, kind, listed):
         acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
         one = np.float32(1.0)
         m = heads.shape[0]
+        tail, lo_tail = _straddles(table, D * ITEM), _straddles(lo, D * ITEM)
         for i in range(m):
             if i + PF < m:  # rows are prefetched for writing (the reads miss in DRAM); unlisted, a
                 r = indices[heads[i + PF]] if listed else indices[j0 + i + PF]  # repeat's row at times
-                _prefetch_row(table, r, D * ITEM, True)
+                _prefetch_row(table, r, D * ITEM, True, tail)
                 if BF16:
-                    _prefetch_row(lo, r, D * ITEM, True)
+                    _prefetch_row(lo, r, D * ITEM, True, lo_tail)
             j = heads[i] if listed else j0 + i
             if listed or head[j]:
                 k = j
