@@ -108,6 +108,7 @@ def test_ranks_match_one_process(ranks, interaction, self_interaction, precision
     assert out["probs_err"] < 1e-6
     assert out["load_probs_err"] < 1e-6
     assert out["replicas_identical"]
+    assert "died without an error" not in r.stderr  # a normal end is never reported as a death
 
 
 @needs_mpi
@@ -120,14 +121,17 @@ def test_failing_rank_ends_every_rank_promptly(mode):
     # an exception or a kill ends the job in about a second; an early exit after the grace period
     limit = 1 + (EXIT_GRACE_S if mode == "exit" else 0) + 5
     assert end - failed_at < limit, (end - failed_at, r.stderr[-2000:])
+    if mode != "kill":  # a rank that said why it ends is not reported again as a silent death
+        assert "died without an error" not in r.stderr
     if mode == "exit":
         assert "rank 1 of 3 is exiting but other ranks did not finish" in r.stderr
     elif mode == "raise":
         assert "rank 1 of 3 failed: RuntimeError: injected failure" in r.stderr
     else:
-        # mpiexec reports the killed job; our start-up line maps every pid to its rank
-        assert re.search(r"ranks: 0=pid \d+ on \S+, 1=pid \d+", r.stdout)
-        assert "BAD TERMINATION" in r.stdout + r.stderr
+        # the survivors on its host name the killed rank; our start-up line maps every pid to its rank
+        pid = re.search(r"ranks: 0=pid \d+ on \S+, 1=pid (\d+)", r.stdout).group(1)
+        assert re.search(rf"jitkern: rank 1 of 3 \(pid {pid} on \S+\) died without an error", r.stderr), \
+            r.stderr[-2000:]
 
 
 @needs_mpi
@@ -155,3 +159,25 @@ def test_sharded_checkpoint_without_manifest_is_an_error(tmp_path):
     (tmp_path / "manifest.json").write_text('{"format": "other"}')
     with pytest.raises(ShardedCheckpointError, match="not a"):
         read_manifest(str(tmp_path))
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux-only")
+@pytest.mark.parametrize("goodbye", [False, True])
+def test_peer_watcher_names_the_rank_that_ends_silently(tmp_path, goodbye):
+    from jitkern.dlrm import peer_watch
+
+    short = subprocess.Popen(["sleep", "0.3"])
+    long = subprocess.Popen(["sleep", "30"])
+    flags = tmp_path / "flags"
+    flags.write_bytes(b"\0\1" if goodbye else b"\0\0")
+    try:
+        r = subprocess.run([sys.executable, "-I", peer_watch.__file__, str(flags), "2", "hostA",
+                            f"0:{long.pid}", f"1:{short.pid}"], capture_output=True, text=True, timeout=20)
+    finally:
+        long.kill()
+        short.wait()
+        long.wait()
+    assert r.returncode == 0, r.stderr
+    said = f"jitkern: rank 1 of 2 (pid {short.pid} on hostA) died without an error"
+    assert (said in r.stderr) != goodbye, r.stderr
+    assert not flags.exists()  # the watcher removes its flag file

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import ops
 from . import model as _model
+from . import peer_watch
 from .placement import REPLICATE_BYTES, REPLICATED, batch_slices, place_tables
 
 # Environment variables that launchers set for every rank, and that hold the world size.
@@ -61,9 +62,10 @@ def install_fault_handlers(comm) -> None:
 
     - An uncaught exception on a rank prints `jitkern: rank R of P failed: ...` and calls
       comm.Abort(1), which makes mpiexec kill all ranks (no rank is left waiting in a collective).
-    - A rank killed by a signal: mpiexec (MPICH's hydra) kills every other rank with SIGKILL at
-      once and prints the dead rank's pid; `describe_ranks` (printed by rank 0 at start) maps
-      pids to ranks. A signal cannot be caught by the survivors, so they cannot add a message.
+    - A rank killed by a signal (or dying in native code): mpiexec (MPICH's hydra) kills every
+      other rank at once; a watcher process per host (peer_watch.py) prints
+      `jitkern: rank R of P (pid N on HOST) died ...`. For ranks on hosts without pidfds,
+      `describe_ranks` (printed by rank 0 at start) maps the pid mpiexec reports to a rank.
     - A rank that exits without an exception (sys.exit, return) while others still run: an
       atexit guard aborts after EXIT_GRACE_S instead of hanging in MPI_Finalize.
     Idempotent; a communicator of size 1 needs nothing.
@@ -73,12 +75,14 @@ def install_fault_handlers(comm) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     peers = comm.allgather((socket.gethostname(), os.getpid()))
     _FAULT_STATE.update(installed=True, rank=rank, size=size, peers=peers)
+    peer_watch.start(rank, size, peers)
 
     previous_hook = sys.excepthook
 
     def excepthook(kind, value, tb):
         # the naming line first: mpiexec may drop a dying rank's last output while it tears
         # the job down, and a short pause lets its I/O forwarding drain before the abort
+        peer_watch.disarm()  # the others are about to be killed: this rank has said what happened
         sys.stderr.write(f"jitkern: rank {rank} of {size} failed: {kind.__name__}: {value}; aborting all ranks\n")
         sys.stderr.flush()
         previous_hook(kind, value, tb)
@@ -98,6 +102,7 @@ def _exit_together(comm) -> None:
     while the others wait in a collective for it: a hang. Normal runs end within moments of
     each other, since the last steps, evaluation and checkpoint are collective.
     """
+    peer_watch.disarm()  # past this barrier the others may exit at any moment, normally
     req = comm.Ibarrier()
     deadline = time.monotonic() + EXIT_GRACE_S
     while not req.Test():
