@@ -1,7 +1,7 @@
 """python -m jitkern bench dist: weak and strong scaling of the hybrid-parallel DLRM, one thread per rank.
 
-Launches `mpiexec -n P` for each P (the P=1 run is the same script without MPI), times
-train_step on the same random batches, and prints measured step time, samples/s, weak-scaling
+Launches `mpiexec -n P` for each P (the P=1 run is the same script without MPI) in rounds (each
+round launches every run once, in turn), times train_step on the same random batches, and prints measured step time, samples/s, weak-scaling
 efficiency / strong-scaling speed-up, communication exposed and hidden, next to the scaling
 model's prediction (jitkern.dlrm.scale) for the link speed measured between the ranks here.
 """
@@ -22,13 +22,6 @@ from .common import print_table, set_threads
 WORKER = [sys.executable, "-m", "jitkern.bench.dist", "--worker"]
 
 
-def _idle_barrier(comm) -> None:
-    """A barrier that sleeps while it waits, so an idle rank leaves its core to the one working."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.0005)
-
-
 def _timed_steps(model, batches, n, comm=None):
     """-> (seconds per step, losses, this process's CPU seconds over wall seconds)."""
     times, losses = [], []
@@ -45,8 +38,7 @@ def _timed_steps(model, batches, n, comm=None):
 
 
 def worker(args) -> int:
-    """Time train_step; under mpiexec, alternate rounds of the P-rank model with rounds of the
-    one-process model on rank 0 (the others sleeping), so both see the same machine noise."""
+    """Time train_step (a warm model, `steps` steps) and print one JSON line on rank 0."""
     from ..dlrm.dist import comm_from_env
     from ..dlrm.model import DLRM, StageTimer
     from ..dlrm.scale import configs, random_batch
@@ -55,46 +47,41 @@ def worker(args) -> int:
     comm = comm_from_env()
     rank = 0 if comm is None else comm.Get_rank()
     cfg = configs()[args.config]
-    arch = (cfg["sizes"], cfg["dim"], cfg["bottom"], cfg["top"])
-    m = DLRM(*arch, seed=0, comm=comm)
+    m = DLRM(cfg["sizes"], cfg["dim"], cfg["bottom"], cfg["top"], seed=0, comm=comm)
     batches = [random_batch(cfg, args.batch, s) for s in range(3)]
-    base = DLRM(*arch, seed=0) if comm is not None and rank == 0 and args.baseline else None
-    base_batches = [random_batch(cfg, args.baseline, s) for s in range(3)] if base is not None else []
     losses = [m.train_step(*batches[i % 3], 0.01) for i in range(args.warmup)]
-    base_losses = [base.train_step(*base_batches[i % 3], 0.01) for i in range(args.warmup)] if base else []
     m.timer = timer = StageTimer()
     if comm is not None:
         m.exchange.reset_stats()
-    times, base_times, share, base_share = [], [], [], []
-    for _ in range(args.rounds):
-        if comm is not None and args.baseline:
-            if base is not None:
-                t, l, c = _timed_steps(base, base_batches, args.steps)
-                base_times, base_losses, base_share = base_times + t, base_losses + l, base_share + [c]
-            _idle_barrier(comm)
-        t, l, c = _timed_steps(m, batches, args.steps, comm)
-        times, losses, share = times + t, losses + l, share + [c]
-    share = min(share)
+    times, more, share = _timed_steps(m, batches, args.steps, comm)
+    losses += more
     if comm is not None:
         times = list(np.max(comm.allgather(times), axis=0))     # a step ends when its last rank does
         share = min(comm.allgather(share))
     link = (m.exchange.bandwidth, m.exchange.latency * 1e6) if comm is not None else (0.0, 0.0)
     if rank == 0:
-        n = args.steps * args.rounds
-        print(json.dumps({"ranks": 1 if comm is None else comm.Get_size(), "batch": args.batch, "steps": n,
-                          "step": float(np.median(times)), "losses": losses,
-                          "base_step": float(np.median(base_times)) if base_times else None,
-                          "base_losses": base_losses, "cpu_share": share,
-                          "base_cpu_share": min(base_share) if base_share else None,
-                          "profile": {k: v / n for k, v in timer.seconds.items()},
+        print(json.dumps({"ranks": 1 if comm is None else comm.Get_size(), "batch": args.batch,
+                          "steps": args.steps, "warmup": args.warmup, "step": float(np.median(times)),
+                          "losses": losses, "cpu_share": share,
+                          "profile": {k: v / args.steps for k, v in timer.seconds.items()},
                           "link_gbs": link[0], "latency_us": link[1],
                           "comm": m.exchange.profile_rows() if comm is not None else []}), flush=True)
     return 0
 
 
-def _launch(config, ranks, batch, steps, rounds, warmup, baseline, timeout):
-    cmd = WORKER + ["--config", config, "--batch", str(batch), "--steps", str(steps), "--rounds", str(rounds),
-                    "--warmup", str(warmup), "--baseline", str(baseline)]
+def _combine(results: list) -> dict:
+    """One launch's result per round -> the median step over rounds (and the launches' worst cpu
+    share); losses, profile and exchange counts from the round whose step is that median."""
+    order = sorted(results, key=lambda r: r["step"])
+    mid = dict(order[len(order) // 2])
+    mid["step"] = float(np.median([r["step"] for r in results]))
+    mid["cpu_share"] = min(r["cpu_share"] for r in results)
+    mid["rounds"] = [r["step"] for r in results]
+    return mid
+
+
+def _launch(config, ranks, batch, steps, warmup, timeout):
+    cmd = WORKER + ["--config", config, "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup)]
     if ranks > 1:
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
         if mpiexec is None:
@@ -113,10 +100,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts (4 oversubscribes this machine: "
                                                      "correctness only)")
     ap.add_argument("--batch", type=int, default=2048, help="per-rank (weak) and global (strong) batch")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per round")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds, alternating P ranks and the one-process baseline")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--baseline", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per launch")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds; each launches the one-process run and every P-rank job once, in turn")
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -132,33 +119,35 @@ def main(argv=None) -> int:
     ranks = sorted({int(x) for x in args.ranks.split(",")} | {1})
     print(f"bench dist: one thread per rank, {os.cpu_count()} CPUs here; per-rank/global batch {args.batch}")
     cores = os.cpu_count() or 1
-    rows, comm_rows = [], []
+    rows, comm_rows, spread = [], [], []
     for name in names:
-        runs = {}       # (P, global batch) -> worker result; P > 1 runs carry their own P=1 baseline
-        for p in ranks:
-            for mode in ("weak", "strong"):
-                batch = args.batch * p if mode == "weak" else args.batch
-                if (p, batch) not in runs and (p > 1 or ranks == [1]):
-                    over = p > cores
-                    runs[(p, batch)] = _launch(name, p, batch, 2 if over else args.steps, 1 if over else args.rounds,
-                                               min(args.warmup, 2), 0 if over or p == 1 else args.batch,
-                                               args.timeout)
+        # (P, global batch) -> one result per round. Every measurement is its own launch, in turn
+        # with the others, so each sees the machine as the others did around it, and no process
+        # holds more than the model it times (an idle one-process model kept next to the P=2 one
+        # in the same job made the P=2 kaggle steps 72 -> 77-78 ms in 6 of 8 runs; cause not found).
+        launches = sorted({(1, args.batch)} | {(p, args.batch * p if mode == "weak" else args.batch)
+                                               for p in ranks if p > 1 for mode in ("weak", "strong")})
+        results = {key: [] for key in launches}
+        for _ in range(args.rounds):
+            for p, batch in launches:
+                over = p > cores
+                if over and results[(p, batch)]:
+                    continue  # oversubscribed: correctness only, once
+                results[(p, batch)].append(_launch(name, p, batch, 2 if over else args.steps,
+                                                   min(args.warmup, 2) if over else args.warmup, args.timeout))
+        runs = {key: _combine(r) for key, r in results.items()}
+        spread.append(f"  {name}: " + "; ".join(f"P={p} B={b}: " + " ".join(f"{t * 1e3:.1f}" for t in r["rounds"])
+                                             for (p, b), r in sorted(runs.items())))
         link = next((r for (p, _), r in runs.items() if p > 1), {"link_gbs": 10.0, "latency_us": 1.0})
         bw, lat = max(link["link_gbs"], 0.1), link["latency_us"]
         set_threads(1)
         for mode in ("weak", "strong"):
             preds = measure_and_predict(configs()[name], ranks, mode, bandwidth_gbs=bw, latency_us=lat,
                                         per_rank_batch=args.batch, log=lambda *a: None)
-            # the P=1 baseline measured interleaved in this mode's 2-rank job (else the plain P=1 run)
-            ref = runs.get((2, args.batch * 2 if mode == "weak" else args.batch)) or runs[(1, args.batch)]
-            base_step = ref["base_step"] or ref["step"]
-            base_share = ref.get("base_cpu_share") or ref["cpu_share"]
-            base_loss = (ref["base_losses"] or ref["losses"])[0]
+            base = runs[(1, args.batch)]
+            base_step, base_loss = base["step"], base["losses"][0]
             for p, pred in zip(ranks, preds):
-                if p == 1:
-                    run = dict(batch=args.batch, step=base_step, losses=[base_loss], profile={}, cpu_share=base_share)
-                else:
-                    run = runs[(p, args.batch * p if mode == "weak" else args.batch)]
+                run = runs[(p, args.batch * p if mode == "weak" else args.batch)]
                 step = run["step"]
                 prof = run["profile"]
                 over = " (oversubscribed: correctness only)" if p > cores else ""
@@ -171,16 +160,17 @@ def main(argv=None) -> int:
         print(f"  {name}: link between ranks {bw:.1f} GB/s, {lat:.1f} us (used by the model)")
         for (p, batch), run in sorted(runs.items()):
             for kind, calls, mb, wire, exposed, hidden in run["comm"]:
-                n = run["steps"] + min(args.warmup, 2)       # exchange counters include the warmup steps
+                n = run["steps"] + run["warmup"]       # exchange counters include the warmup steps
                 comm_rows.append([name, p, batch, kind, f"{calls / n:.0f}", f"{mb / n:.2f}", f"{wire / n:.2f}",
                                   f"{exposed / n:.2f}", f"{hidden / n:.2f}"])
     print_table(["config", "mode", "P", "global B", "ms/step", "samples/s", "eff|speedup", "comm exposed ms",
                  "comm hidden ms", "model ms", "model err", "cpu share", "loss = P1"], rows)
     print("eff = step(P=1) / step(P) at a fixed per-rank batch; speedup = step(P=1) / step(P) at a fixed global "
-          "batch; medians over rounds that alternate the P-rank model with the one-process model (on rank 0 of "
-          "the same job, the other ranks asleep), so both see the same machine; comm columns are per step on "
+          "batch; medians over rounds, each of which launches the one-process run and every P-rank job once, "
+          "in turn, so all see the same machine; comm columns are per step on "
           "rank 0; cpu share: the lowest CPU-time / wall-time of a rank while timed (a hint, not proof: "
           "well below 1 usually means other processes took CPU from a rank; rerun on an idle machine).")
+    print("ms/step of each round (launch):", *spread, sep="\n")
     if comm_rows:
         print("\nexchanges per step on rank 0 (link ms: bytes and latency on the measured link; exposed: time in "
               "MPI calls, incl. waiting for the other ranks; hidden: link time covered by compute):")
