@@ -45,7 +45,7 @@ def _force_path(mp, path):
     hashed-parallel: the parallel forward and hashed updates applied in 3 position ranges."""
     mp.setattr(embedding, "_serial", lambda work, dim: path == "fast")
     update = {"fast": "hashed", "general": "sorted", "hashed-parallel": "hashed-parallel"}[path]
-    mp.setattr(embedding_update, "_update_path", lambda nnz, num_rows, threads: update)
+    mp.setattr(embedding_update, "_update_path", lambda nnz, num_rows, threads, repeats=0.0: update)
     if path == "hashed-parallel":
         mp.setattr(embedding_update, "_num_threads", lambda: 3)
 
@@ -364,3 +364,17 @@ def test_prefetch_intrinsic_emits_llvm_prefetch_and_changes_nothing():
     assert _prefetched_sum(w, v, idx) == w[idx, 0].sum()
     llvm_ir = _prefetched_sum.inspect_llvm(_prefetched_sum.signatures[0])
     assert "@llvm.prefetch" in llvm_ir
+
+
+def test_skewed_batches_take_the_sorted_update():
+    rng = np.random.default_rng(5)
+    nnz, rows = 20_000, 1_000_000
+    uniform = rng.integers(0, rows, nnz)
+    skewed = np.where(rng.random(nnz) < 0.5, rng.integers(0, 50, nnz), uniform)  # half the entries on 50 rows
+    scratch = np.empty(4096, np.int64)
+    share_u = embedding_update._sample_repeats(uniform, scratch)
+    share_s = embedding_update._sample_repeats(skewed.astype(np.int32), scratch)
+    assert share_u < 0.01 and share_s > 0.4
+    assert embedding_update._update_path(nnz, rows, 1, share_u) == "hashed"
+    assert embedding_update._update_path(nnz, rows, 1, share_s) == "sorted"
+    assert embedding_update._update_path(100, rows, 1, 1.0) == "hashed"  # small batches: never worth sorting

@@ -3,7 +3,9 @@
 Per table size R and width D, one table is allocated and shared by every implementation (torch
 sees it through torch.from_numpy): by default as jitkern and its DLRM allocate tables
 (ops.empty_table: 64-byte aligned like torch's own tensors, on huge pages where the OS offers
-them), with --alloc numpy as np.full does (16-byte aligned, 4 KiB pages). Then for each index draw (uniform pooling 1 and 20, Zipf-skewed
+them), with --alloc numpy as np.full does (16-byte aligned, 4 KiB pages). Each timing loop
+takes the next of several pre-drawn batches per call, as training does (together they touch
+~96 MiB of rows: from memory, not from a cache the previous call warmed). Then for each index draw (uniform pooling 1 and 20, Zipf-skewed
 pooling 20) the forward and the update are timed against NumPy and, when importable, torch.
 Rows/s count looked-up (forward) or updated (SGD) index entries; GB/s counts the table bytes those
 rows move (read for forward, read + write for updates), next to this machine's copy bandwidth.
@@ -41,7 +43,7 @@ def _numpy_add_at_sgd(w, idx, off, dout, pooling):
     np.add.at(w, idx, np.repeat(dout * np.float32(-LR), pooling, axis=0))
 
 
-def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc="jitkern"):
+def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc="jitkern", same_batch=False):
     if alloc == "numpy":
         w = np.full((num_rows, dim), 0.01, np.float32)
     else:
@@ -50,31 +52,39 @@ def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc
     split = SplitBF16Table.from_float32(w) if dim == 128 else None
     tw = torch.from_numpy(w) if torch else None
     for pooling, dist in dists:
-        idx, off = draw_batch(rng, num_rows, batch, pooling, dist)
+        n = 1 if same_batch else _pool_size(batch * pooling * dim * 4)
+        pool = [draw_batch(rng, num_rows, batch, pooling, dist) for _ in range(n)]
+        idx, off = pool[0]
         nnz = len(idx)
         dout = rng.standard_normal((batch, dim)).astype(np.float32)
         case = f"R={num_rows:.0e} D={dim} {dist} p={pooling}"
         fwd_bytes, upd_bytes = nnz * dim * 4, 2 * nnz * dim * 4
         out = np.empty((batch, dim), np.float32)
 
-        runs = [("forward", "jitkern", fwd_bytes, lambda: ops.embedding_bag_forward(w, idx, off, out=out)),
-                ("forward", "numpy take+reduceat", fwd_bytes, lambda: _numpy_forward(w, idx, off))]
+        def each(make):
+            """One call per pooled batch, taken in turn."""
+            return _cycle([make(i, o) for i, o in pool])
+
+        runs = [("forward", "jitkern", fwd_bytes,
+                 each(lambda i, o: lambda: ops.embedding_bag_forward(w, i, o, out=out))),
+                ("forward", "numpy take+reduceat", fwd_bytes, each(lambda i, o: lambda: _numpy_forward(w, i, o)))]
         if split is not None:
             runs.append(("forward", "jitkern bf16", fwd_bytes // 2,
-                         lambda: ops.embedding_bag_forward(split, idx, off, out=out)))
+                         each(lambda i, o: lambda: ops.embedding_bag_forward(split, i, o, out=out))))
         if torch:
-            ti, to = torch.from_numpy(idx), torch.from_numpy(off)
-            runs.append(("forward", "torch embedding_bag", fwd_bytes,
-                         lambda: torch.nn.functional.embedding_bag(ti, tw, to, mode="sum")))
+            runs.append(("forward", "torch embedding_bag", fwd_bytes, each(
+                lambda i, o: (lambda ti, to: lambda: torch.nn.functional.embedding_bag(ti, tw, to, mode="sum"))(
+                    torch.from_numpy(i), torch.from_numpy(o)))))
         runs.append(("sgd update", "jitkern fused", upd_bytes,
-                     lambda: ops.embedding_bag_sgd_(w, idx, off, dout, LR)))
+                     each(lambda i, o: lambda: ops.embedding_bag_sgd_(w, i, o, dout, LR))))
         if split is not None:
             runs.append(("sgd update", "jitkern fused bf16", upd_bytes,
-                         lambda: ops.embedding_bag_sgd_(split, idx, off, dout, LR)))
+                         each(lambda i, o: lambda: ops.embedding_bag_sgd_(split, i, o, dout, LR))))
         runs.append(("sgd update", "numpy add.at", upd_bytes,
-                     lambda: _numpy_add_at_sgd(w, idx, off, dout, pooling)))
+                     each(lambda i, o: lambda: _numpy_add_at_sgd(w, i, o, dout, pooling))))
         if torch:
-            runs.append(("sgd update", "torch sparse bwd+SGD.step", upd_bytes, _torch_step(torch, tw, idx, off, dout)))
+            runs.append(("sgd update", "torch sparse bwd+SGD.step", upd_bytes,
+                         each(lambda i, o: _torch_step(torch, tw, i, o, dout))))
         if dist == "uniform" and pooling > 1:
             notes.append(f"{case}: fused SGD bit-identical over 3 runs: {_deterministic(w, idx, off, dout)}")
         base = {}
@@ -90,6 +100,25 @@ def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc
             row[-2] = f"{(ref or numpy_t) / mine:.2f}x"
             row[-1] = f"{numpy_t / mine:.1f}x" if row[2].startswith("jitkern") else ""
     del w, split, tw
+
+
+POOL_BYTES = 96 << 20   # table bytes the batches of one timing loop touch in all: beyond the caches
+
+
+def _pool_size(batch_bytes: int) -> int:
+    """How many batches each timing loop cycles through: training sees a new batch every step, so
+    rows should come from memory, not from a cache the previous call warmed."""
+    return int(min(256, max(4, -(-POOL_BYTES // batch_bytes))))
+
+
+def _cycle(fns):
+    state = [0]
+
+    def call():
+        k = state[0]
+        state[0] = k + 1 if k + 1 < len(fns) else 0
+        return fns[k]()
+    return call
 
 
 def _deterministic(w, idx, off, dout, repeats=3):
@@ -129,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
     p.add_argument("--alloc", choices=("jitkern", "numpy"), default="jitkern",
                    help="table memory: ops.empty_table (default) or np.full")
+    p.add_argument("--same-batch", action="store_true",
+                   help="one batch per case, repeated (its rows stay cached between calls) instead of a new one per call")
     args = p.parse_args(argv)
     set_threads(args.threads)
     torch = None if args.no_torch else torch_or_none()
@@ -136,14 +167,14 @@ def main(argv=None) -> int:
     dims = args.dims or ([16, 128] if args.quick else [16, 64, 128])
     dists = [(1, "uniform"), (20, "uniform"), (20, "zipf")]
     bw = copy_bandwidth_gbs()
-    print(f"embedding bags: B={args.batch}, threads={args.threads}, tables from {args.alloc}, copy bandwidth {bw:.1f} GB/s, "
+    print(f"embedding bags: B={args.batch}, threads={args.threads}, tables from {args.alloc}, {'one batch repeated' if args.same_batch else 'a new batch per call'}, copy bandwidth {bw:.1f} GB/s, "
           f"torch {'yes' if torch else 'not installed'}; ratio = baseline time / this time "
           "(baseline: torch when present, else NumPy); vs numpy: NumPy time / this time")
     rng = np.random.default_rng(0)
     table, notes = [], []
     for r in rows:
         for d in dims:
-            _bench_table(rng, r, d, args.batch, dists, torch, table, notes, args.alloc)
+            _bench_table(rng, r, d, args.batch, dists, torch, table, notes, args.alloc, args.same_batch)
     print_table(["case", "op", "impl", "ms", "spread", "Mrows/s", "GB/s", "ratio", "vs numpy"], table)
     print(f"threads={args.threads}:", *notes, sep="\n  ")
     return 0

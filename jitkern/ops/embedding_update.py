@@ -46,7 +46,9 @@ from .embedding import (
 from .embedding_sorted import plan, sorted_update
 
 UPDATE_PREFETCH = 32     # entries ahead whose rows the updates prefetch for writing (16-32: within noise)
+LINK_PREFETCH = 32       # entries ahead whose rows the linking pass prefetches for writing
 HASHED_MAX_DENSITY = 8   # hashed grouping while nnz * this <= rows (sparse batches); sorted beyond
+SORTED_REPEATS = 0.2     # sorted grouping once this share of a sample repeats rows (skewed batches)
 LIST_REPEATS = 16        # gather the list heads first once more than 1 entry in this many repeats a row
 PARALLEL_MIN_NNZ = 8192  # below this many indices the hashed update runs on the calling thread
 _CHUNKS = 64             # row-group parts of the sorted path
@@ -59,14 +61,38 @@ _NO_LO = np.empty((0, 0), np.uint16)
 _NO_ROWS = np.empty((0, 0), np.float32)
 
 
-def _update_path(nnz: int, num_rows: int, threads: int) -> str:
-    """'hashed', 'hashed-parallel' or 'sorted' for a fused update of nnz indices into num_rows rows.
+def _update_path(nnz: int, num_rows: int, threads: int, repeats: float = 0.0) -> str:
+    """'hashed', 'hashed-parallel' or 'sorted' for a fused update of nnz indices into num_rows rows,
+    `repeats` the share of a sample of them that repeats a row (see _sample_repeats).
 
     Measured on Zen 4, D=16..128, B=2048: hashed is 1.2-1.8x faster than sorted up to ~1 index
-    per 8 rows (R=1e6, pooling 20, D=16: ~370 vs ~540 us), sorted ~6% faster at 1 per 5."""
-    if nnz * HASHED_MAX_DENSITY > num_rows and nnz > PARALLEL_MIN_NNZ:
+    per 8 rows (R=1e6, pooling 20, D=16: ~370 vs ~540 us), sorted ~6% faster at 1 per 5. Skewed
+    batches sort better: Zipf(1.1) rows (a third of a sample repeats) 566 vs 780 us, R=1e6, fresh
+    batches, where hashing walks long lists entry by entry."""
+    if nnz > PARALLEL_MIN_NNZ and (nnz * HASHED_MAX_DENSITY > num_rows or repeats >= SORTED_REPEATS):
         return "sorted"
     return "hashed-parallel" if threads > 1 and nnz > PARALLEL_MIN_NNZ else "hashed"
+
+
+@jit()
+def _sample_repeats(indices, slots):
+    """The share of 1024 evenly spaced entries (all, if fewer) whose row an earlier one of them
+    had: a ~3 us estimate of how skewed a batch is. slots: >= 4096 int64 scratch."""
+    n = indices.shape[0]
+    s = min(n, 1024)
+    slots[:4096] = -1
+    repeats = 0
+    for k in range(s):
+        r = np.int64(indices[k * n // s])
+        h = (np.uint64(r) * _GOLDEN) >> np.uint64(52)
+        while True:
+            v = slots[h]
+            if v == -1 or v == r:
+                break
+            h = (h + np.uint64(1)) & np.uint64(4095)
+        repeats += v == r
+        slots[h] = r
+    return repeats / max(s, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,22 +144,31 @@ def _scratch_views(scratch, n):
 
 
 @jit()
-def _link_rows(indices, offsets, nbags, last, num_rows, scratch):
+def _link_rows(indices, offsets, nbags, last, table, row_bytes, scratch):
     """Thread every entry into its row's list (one reverse pass; see _insert), noting each entry's
-    bag in ebag (tracked backwards from the last bag). Returns whether entry j is bag j for all j."""
+    bag in ebag (tracked backwards from the last bag). Returns whether entry j is bag j for all j.
+
+    Each entry's table row is prefetched for writing LINK_PREFETCH entries before it is linked:
+    the rows come in from memory while this pass hashes, instead of during the update walk."""
     n = indices.shape[0]
     slots, nxt, ebag, head = _scratch_views(scratch, n)
-    bits = _slot_bits(min(n, num_rows))
+    bits = _slot_bits(min(n, table.shape[0]))
     slots[:np.int64(1) << bits] = -1
     unit = _one_per_bag(offsets, nbags, n)
+    tail = _straddles(table, row_bytes)
+    pf = LINK_PREFETCH if row_bytes > 0 else n  # no rows to prefetch for a gradient (row_bytes 0)
     if unit:  # one-hot features, the common case: no bag to track or note
         for k in range(n):
             j = n - 1 - k
+            if j >= pf:
+                _prefetch_row(table, indices[j - pf], row_bytes, True, tail)
             _insert(slots, bits, np.int64(indices[j]), j, nxt, head)
         return unit
     b, s = nbags, n
     for k in range(n):
         j = n - 1 - k
+        if j >= pf:
+            _prefetch_row(table, indices[j - pf], row_bytes, True, tail)
         while j < s:
             b -= 1
             s = offsets[b]
@@ -248,6 +283,10 @@ def _update_factory(spec):
 
     apply = _applier(DC, PF, kind)
 
+    @jit(inline="always")
+    def _row_bytes(dout):  # of the table rows the linking pass prefetches; none for a gradient
+        return 0 if GRAD else (DC if DC else dout.shape[1]) * ITEM
+
     @jit(fastmath=frozenset())
     def hashed(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch, nparts):
         # indices: (nnz,), offsets: (B,)|(B+1,), dout: (B, D), table: (R, D) float32 or bf16 hi bits
@@ -255,7 +294,7 @@ def _update_factory(spec):
         code, bad, value = _validate_bags(indices, offsets, dout.shape[0], table.shape[0], last)
         if code:
             return code, bad, value
-        unit = _link_rows(indices, offsets, dout.shape[0], last, table.shape[0], scratch)
+        unit = _link_rows(indices, offsets, dout.shape[0], last, table, _row_bytes(dout), scratch)
         # lr arrives as a Python float: converting here costs less than np.float32() in the wrapper
         apply(0, indices.shape[0], unit, indices, offsets, psw, mean, last, dout, np.float32(lr), eps,
               table, lo, state, scratch)
@@ -271,7 +310,7 @@ def _update_factory(spec):
         if code:
             return code, bad, value
         n = indices.shape[0]
-        unit = _link_rows(indices, offsets, dout.shape[0], last, table.shape[0], scratch)
+        unit = _link_rows(indices, offsets, dout.shape[0], last, table, _row_bytes(dout), scratch)
         lr32 = np.float32(lr)
         for t in prange(nparts):
             apply(t * n // nparts, (t + 1) * n // nparts, unit, indices, offsets, psw, mean, last, dout, lr32, eps,
@@ -320,7 +359,8 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
     state = _NO_STATE if state is None else state
     if kind != "grad":
         threads = _num_threads()
-        path = _update_path(nnz, num_rows, threads)
+        sample = _sample_repeats(indices, _scratch(nnz, 7)) if nnz > PARALLEL_MIN_NNZ else 0.0
+        path = _update_path(nnz, num_rows, threads, sample)
         if path != "sorted":
             code, pos, val = _update_kernel(D, kind, path)(
                 indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, _scratch(nnz, 7), threads)
