@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     dists = [(1, "uniform"), (20, "uniform"), (20, "zipf")]
     bw = copy_bandwidth_gbs()
     print(f"embedding bags: B={args.batch}, threads={args.threads}, tables from {args.alloc}, {'one batch repeated' if args.same_batch else 'a new batch per call'}, copy bandwidth {bw:.1f} GB/s, "
-          f"torch {'yes' if torch else 'not installed'}; ratio = baseline time / this time "
+          f"torch {'yes' if torch else ('skipped' if args.no_torch else 'not installed')}; ratio = baseline time / this time "
           "(baseline: torch when present, else NumPy); vs numpy: NumPy time / this time")
     rng = np.random.default_rng(0)
     table, notes = [], []
