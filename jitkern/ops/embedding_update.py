@@ -284,7 +284,7 @@ def _update_factory(spec):
     apply = _applier(DC, PF, kind)
 
     @jit(inline="always")
-    def _row_bytes(dout):  # of the table rows the linking pass prefetches; none for a gradient
+    def _row_bytes(dout):  # of the table rows the serial linking pass prefetches; none for a gradient
         return 0 if GRAD else (DC if DC else dout.shape[1]) * ITEM
 
     @jit(fastmath=frozenset())
@@ -310,7 +310,9 @@ def _update_factory(spec):
         if code:
             return code, bad, value
         n = indices.shape[0]
-        unit = _link_rows(indices, offsets, dout.shape[0], last, table, _row_bytes(dout), scratch)
+        # no row prefetch while linking: rows this core fetched for writing would have to move to
+        # the core that updates them (2 threads, R=1e7, pooling 20, D=16: 0.99 ms with, vs 0.65 on one)
+        unit = _link_rows(indices, offsets, dout.shape[0], last, table, 0, scratch)
         lr32 = np.float32(lr)
         for t in prange(nparts):
             apply(t * n // nparts, (t + 1) * n // nparts, unit, indices, offsets, psw, mean, last, dout, lr32, eps,
