@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jitkern.dlrm.dist import EXIT_GRACE_S
+from jitkern.dlrm.launch import EXIT_GRACE_S
 from jitkern.dlrm.placement import REPLICATED, batch_slices, place_tables
 
 SCRIPTS = Path(__file__).parent / "mpi_scripts"
@@ -72,7 +72,7 @@ def test_batch_slices_partition_the_batch(batch, nranks):
 
 
 def test_single_process_never_imports_mpi4py():
-    code = ("import sys, numpy as np; from jitkern.dlrm.model import DLRM; from jitkern.dlrm.dist import comm_from_env;"
+    code = ("import sys, numpy as np; from jitkern.dlrm.model import DLRM; from jitkern.dlrm.launch import comm_from_env;"
             "assert comm_from_env() is None; DLRM([10, 20], 16, [3, 16], [1]);"
             "assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_"))}

@@ -39,7 +39,7 @@ def _timed_steps(model, batches, n, comm=None):
 
 def worker(args) -> int:
     """Time train_step (a warm model, `steps` steps) and print one JSON line on rank 0."""
-    from ..dlrm.dist import comm_from_env
+    from ..dlrm.launch import comm_from_env
     from ..dlrm.model import DLRM, StageTimer
     from ..dlrm.scale import configs, random_batch
 

@@ -219,7 +219,7 @@ def run(args, log=print) -> int:
     if args.load_model:
         read_checkpoint_header(args.load_model)      # a foreign or truncated file fails before the model is built
 
-    from .dist import comm_from_env                  # under `mpiexec -n P`: hybrid parallel, rank 0 logs
+    from .launch import comm_from_env                  # under `mpiexec -n P`: hybrid parallel, rank 0 logs
     comm = comm_from_env()
     if comm is not None and comm.Get_rank() != 0:
         log = lambda *a, **k: None                   # noqa: E731

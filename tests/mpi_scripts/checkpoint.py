@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 from jitkern.dlrm import dist_checkpoint
-from jitkern.dlrm.dist import comm_from_env
+from jitkern.dlrm.launch import comm_from_env
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.synth import random_batch
 

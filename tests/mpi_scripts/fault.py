@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from jitkern.dlrm.dist import comm_from_env
+from jitkern.dlrm.launch import comm_from_env
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.synth import random_batch
 

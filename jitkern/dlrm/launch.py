@@ -1,0 +1,110 @@
+"""How the ranks of a DLRM job start and end: the communicator from mpiexec's environment, and
+fault handling (a failing rank ends every rank promptly, non-zero, named).
+
+mpi4py is imported only when the launcher's environment says there is more than one rank, so
+single-process runs never initialise MPI.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import time
+
+from . import peer_watch
+
+# Environment variables that launchers set for every rank, and that hold the world size.
+_WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def comm_from_env():
+    """COMM_WORLD when this process was started by mpiexec with more than one rank, else None.
+
+    Looks at the launcher's environment first so that a plain `python script.py` never imports
+    mpi4py (importing mpi4py.MPI initialises MPI).
+    """
+    for var in _WORLD_SIZE_VARS:
+        value = os.environ.get(var)
+        if value:
+            try:
+                size = int(value)
+            except ValueError:
+                continue
+            if size > 1:
+                from mpi4py import MPI
+                install_fault_handlers(MPI.COMM_WORLD)
+                return MPI.COMM_WORLD
+            return None
+    return None
+
+
+# --------------------------------------------------------------------------- faults
+
+_FAULT_STATE = {}
+EXIT_GRACE_S = 10.0      # how long a rank at exit waits for the others before aborting the job
+ABORT_DRAIN_S = 0.2      # how long a failing rank lets its stderr be forwarded before aborting
+
+
+def describe_ranks() -> str:
+    """'rank 0: pid 123 on host, ...' for the ranks of the communicator with fault handlers."""
+    peers = _FAULT_STATE.get("peers", [])
+    return "ranks: " + ", ".join(f"{r}=pid {pid} on {h}" for r, (h, pid) in enumerate(peers))
+
+
+def install_fault_handlers(comm) -> None:
+    """Make any failure end every rank promptly, non-zero, naming the failing rank.
+
+    - An uncaught exception on a rank prints `jitkern: rank R of P failed: ...` and calls
+      comm.Abort(1), which makes mpiexec kill all ranks (no rank is left waiting in a collective).
+    - A rank killed by a signal (or dying in native code): mpiexec (MPICH's hydra) kills every
+      other rank at once; a watcher process per host (peer_watch.py) prints
+      `jitkern: rank R of P (pid N on HOST) died ...`. For ranks on hosts without pidfds,
+      `describe_ranks` (printed by rank 0 at start) maps the pid mpiexec reports to a rank.
+    - A rank that exits without an exception (sys.exit, return) while others still run: an
+      atexit guard aborts after EXIT_GRACE_S instead of hanging in MPI_Finalize.
+    Idempotent; a communicator of size 1 needs nothing.
+    """
+    if comm.Get_size() <= 1 or _FAULT_STATE.get("installed"):
+        return
+    rank, size = comm.Get_rank(), comm.Get_size()
+    peers = comm.allgather((socket.gethostname(), os.getpid()))
+    _FAULT_STATE.update(installed=True, rank=rank, size=size, peers=peers)
+    peer_watch.start(rank, size, peers)
+
+    previous_hook = sys.excepthook
+
+    def excepthook(kind, value, tb):
+        # the naming line first: mpiexec may drop a dying rank's last output while it tears
+        # the job down, and a short pause lets its I/O forwarding drain before the abort
+        peer_watch.disarm()  # the others are about to be killed: this rank has said what happened
+        sys.stderr.write(f"jitkern: rank {rank} of {size} failed: {kind.__name__}: {value}; aborting all ranks\n")
+        sys.stderr.flush()
+        previous_hook(kind, value, tb)
+        sys.stderr.flush()
+        time.sleep(ABORT_DRAIN_S)
+        comm.Abort(1)
+
+    sys.excepthook = excepthook
+    # its own communicator: the exit barrier must never match a collective the others are in
+    atexit.register(_exit_together, comm.Dup())
+
+
+def _exit_together(comm) -> None:
+    """At interpreter exit, wait (bounded) for every rank to get here too; abort if they do not.
+
+    A rank that leaves early (sys.exit, a return from main) would otherwise sit in MPI_Finalize
+    while the others wait in a collective for it: a hang. Normal runs end within moments of
+    each other, since the last steps, evaluation and checkpoint are collective.
+    """
+    peer_watch.disarm()  # past this barrier the others may exit at any moment, normally
+    req = comm.Ibarrier()
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while not req.Test():
+        if time.monotonic() > deadline:
+            rank, size = comm.Get_rank(), comm.Get_size()
+            sys.stderr.write(f"jitkern: rank {rank} of {size} is exiting but other ranks did not finish "
+                             f"within {EXIT_GRACE_S:.0f} s (one exited early or is stuck); aborting all ranks\n")
+            sys.stderr.flush()
+            comm.Abort(1)
+        time.sleep(0.01)
