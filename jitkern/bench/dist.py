@@ -1,9 +1,10 @@
 """python -m jitkern bench dist: weak and strong scaling of the hybrid-parallel DLRM, one thread per rank.
 
 Launches `mpiexec -n P` for each P (the P=1 run is the same script without MPI) in rounds (each
-round launches every run once, in turn), times train_step on the same random batches, and prints measured step time, samples/s, weak-scaling
-efficiency / strong-scaling speed-up, communication exposed and hidden, next to the scaling
-model's prediction (jitkern.dlrm.scale) for the link speed measured between the ranks here.
+round launches every run once, in turn), times train_step on the same random batches, and
+prints measured step time, samples/s, weak-scaling efficiency / strong-scaling speed-up,
+communication exposed and hidden, next to the scaling model's prediction (jitkern.dlrm.scale)
+for the link speed measured between the ranks here.
 """
 from __future__ import annotations
 

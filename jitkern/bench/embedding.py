@@ -5,8 +5,9 @@ sees it through torch.from_numpy): by default as jitkern and its DLRM allocate t
 (ops.empty_table: 64-byte aligned like torch's own tensors, on huge pages where the OS offers
 them), with --alloc numpy as np.full does (16-byte aligned, 4 KiB pages). Each timing loop
 takes the next of several pre-drawn batches per call, as training does (together they touch
-~96 MiB of rows: from memory, not from a cache the previous call warmed). Then for each index draw (uniform pooling 1 and 20, Zipf-skewed
-pooling 20) the forward and the update are timed against NumPy and, when importable, torch.
+~96 MiB of rows: from memory, not from a cache the previous call warmed; --same-batch repeats
+one). Then for each index draw (uniform pooling 1 and 20, Zipf-skewed pooling 20) the forward
+and the update are timed against NumPy and, when importable, torch.
 Rows/s count looked-up (forward) or updated (SGD) index entries; GB/s counts the table bytes those
 rows move (read for forward, read + write for updates), next to this machine's copy bandwidth.
 """
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--alloc", choices=("jitkern", "numpy"), default="jitkern",
                    help="table memory: ops.empty_table (default) or np.full")
     p.add_argument("--same-batch", action="store_true",
-                   help="one batch per case, repeated (its rows stay cached between calls) instead of a new one per call")
+                   help="one batch per case, repeated (its rows stay cached between calls), "
+                        "instead of a new one per call")
     args = p.parse_args(argv)
     set_threads(args.threads)
     torch = None if args.no_torch else torch_or_none()
@@ -167,8 +169,10 @@ def main(argv=None) -> int:
     dims = args.dims or ([16, 128] if args.quick else [16, 64, 128])
     dists = [(1, "uniform"), (20, "uniform"), (20, "zipf")]
     bw = copy_bandwidth_gbs()
-    print(f"embedding bags: B={args.batch}, threads={args.threads}, tables from {args.alloc}, {'one batch repeated' if args.same_batch else 'a new batch per call'}, copy bandwidth {bw:.1f} GB/s, "
-          f"torch {'yes' if torch else ('skipped' if args.no_torch else 'not installed')}; ratio = baseline time / this time "
+    batches = "one batch repeated" if args.same_batch else "a new batch per call"
+    with_torch = "yes" if torch else ("skipped" if args.no_torch else "not installed")
+    print(f"embedding bags: B={args.batch}, threads={args.threads}, tables from {args.alloc}, {batches}, "
+          f"copy bandwidth {bw:.1f} GB/s, torch {with_torch}; ratio = baseline time / this time "
           "(baseline: torch when present, else NumPy); vs numpy: NumPy time / this time")
     rng = np.random.default_rng(0)
     table, notes = [], []
