@@ -100,7 +100,6 @@ def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc
             ref = base[row[1]].get("torch embedding_bag" if row[1] == "forward" else "torch sparse bwd+SGD.step")
             row[-2] = f"{(ref or numpy_t) / mine:.2f}x"
             row[-1] = f"{numpy_t / mine:.1f}x" if row[2].startswith("jitkern") else ""
-    del w, split, tw
 
 
 POOL_BYTES = 96 << 20   # table bytes the batches of one timing loop touch in all: beyond the caches
