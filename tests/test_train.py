@@ -9,7 +9,6 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from jitkern.dlrm.batch import Batch
 from jitkern.dlrm.cli import main
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.synth import RandomData, SyntheticData, random_batch

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                      f"{s['rows_per_s']:,}", f"{s['raw_bytes'] / wall / 1e6:.1f}",
                      f"{s['raw_bytes'] / cpu / 1e6:.1f}", f"{rss / 2**20:.0f}"])
     print("\npreprocess (one thread; MB/s of raw text; 'incl. start' counts interpreter start and imports;"
-          f" 'per CPU-s' divides by the child's CPU time, which other load on the machine inflates less)")
+          " 'per CPU-s' divides by the child's CPU time, which other load on the machine inflates less)")
     print_table(["mode", "rows", "MB", "MB/s", "rows/s", "MB/s incl. start", "MB per CPU-s", "peak RSS MiB"],
                 rows)
 

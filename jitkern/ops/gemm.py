@@ -327,7 +327,6 @@ def _gemm_into(a, b, c, ta, tb, *, alpha=1.0, beta=0.0, bias=None, relu=False, y
             db[:] = 0.0
         return c
     isa = _isa(os.environ.get("JITKERN_ISA", ""))
-    threads = numba.get_num_threads()
     if blocks is None:
         mc, kc, nc = _blocks(op, m, n, k, isa, numba.get_num_threads())
     else:  # the tuner's candidates

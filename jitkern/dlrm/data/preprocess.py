@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     print(f"preprocess: {meta['rows']:,} rows from {len(a.raw)} file(s), {s['raw_bytes'] / 1e6:.1f} MB raw text "
           f"in {s['seconds']:.2f} s: {s['mb_per_s']:.1f} MB/s, {s['rows_per_s']:,} rows/s; "
           f"bad lines skipped: {s['bad_lines_skipped']}")
-    print(f"  splits: " + ", ".join(f"{k} {b - a_:,}" for k, (a_, b) in sp.items()))
+    print("  splits: " + ", ".join(f"{k} {b - a_:,}" for k, (a_, b) in sp.items()))
     print(f"  categorical: {meta['categorical']['mode']}, cardinalities {meta['cardinalities']}")
     print(f"  wrote {a.out}")
     return 0
