@@ -112,3 +112,27 @@ def test_debug_logging_reports_choice_and_cache(monkeypatch, caplog):
         get_kernel(spec)
     text = caplog.text
     assert str(spec) in text and ("compiled" in text or "disk cache" in text) and "in-process cache hit" in text
+
+
+def test_kernel_cache_stamp_covers_every_kernel_source(tmp_path):
+    # numba stamps a cached function with its own file only; jitkern's kernels inline helpers from
+    # other modules, so their stamp hashes all of ops/ and codegen/ (and the function's own file)
+    from jitkern.codegen import cache
+    from jitkern.ops import embedding_update
+
+    for sub, name in (("ops", "a.py"), ("codegen", "b.py"), ("bench", "c.py")):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / name).write_text("x = 1\n")
+    own = tmp_path / "bench" / "c.py"
+    stamp = cache.source_stamp(tmp_path, str(own))
+    (tmp_path / "codegen" / "b.py").write_text("x = 2\n")
+    cache._kernel_sources.cache_clear()
+    assert cache.source_stamp(tmp_path, str(own)) != stamp      # a helper module changed
+    stamp = cache.source_stamp(tmp_path, str(own))
+    own.write_text("x = 3\n")
+    assert cache.source_stamp(tmp_path, str(own)) != stamp      # the function's own file changed
+    cache._kernel_sources.cache_clear()
+    # jitkern's functions get these locators; others keep numba's
+    locator = embedding_update._link_rows._cache._impl._locator
+    assert type(locator).__name__.startswith("Jitkern")
+    assert locator.get_source_stamp() == cache.source_stamp(cache.PACKAGE, embedding_update.__file__)

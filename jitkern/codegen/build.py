@@ -16,6 +16,7 @@ from typing import Callable
 import numba
 
 from ..config import get_config
+from . import cache
 from .spec import KernelSpec
 
 log = logging.getLogger("jitkern")
@@ -38,9 +39,19 @@ def kernel_factory(op: str):
 
 
 def jit(*, parallel: bool = False, fastmath=FASTMATH, inline: str = "never"):
-    """numba.njit with jitkern's defaults: on-disk cache (unless disabled), nogil, no bounds checks."""
-    return numba.njit(cache=get_config().disk_cache, parallel=parallel, fastmath=set(fastmath),
-                      nogil=True, error_model="numpy", boundscheck=False, inline=inline)
+    """numba.njit with jitkern's defaults: on-disk cache (unless disabled; stamped by every kernel
+    source file, see cache.py), nogil, no bounds checks."""
+    cache.install()
+    disk = get_config().disk_cache
+    decorate = numba.njit(cache=disk, parallel=parallel, fastmath=set(fastmath), nogil=True,
+                          error_model="numpy", boundscheck=False, inline=inline)
+
+    def build(fn):
+        disp = decorate(fn)
+        if disk:
+            disp._cache = cache.StableKeyCache(disp.py_func)
+        return disp
+    return build
 
 
 def setup_logging() -> None:
