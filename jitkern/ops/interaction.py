@@ -9,8 +9,8 @@ vectors into a small scratch and does all its work there; the batch is split acr
   backward: dT = S @ T with S the symmetric F x F matrix built once from dz's triangle (instead of
             the reference's dZ @ T + dZ^T @ T); a 4-row x W-lane register tile over D.
 The vectors are LLVM `<W x float>` values (W = 16 lanes: one zmm, two ymm or four NEON registers;
-W = 1 for JITKERN_ISA=scalar) made available to numba through the small intrinsic set below, so
-LLVM keeps the accumulators in registers. Kernels take F and D as literals for the DLRM shapes
+W = 1 for JITKERN_ISA=scalar) made available to numba by codegen/vec.py, so LLVM keeps the
+accumulators in registers. Kernels take F and D as literals for the DLRM shapes
 (_SPECIALISED) and read them from the arguments otherwise: one generic kernel serves any shape.
 """
 from __future__ import annotations
@@ -21,201 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+from ..codegen.vec import addr_of, f32_ptr, vadd, vfma, vlen, vload, vload_addr, vsplat, vstore, vtranspose16, vzero
 
 # fewest samples worth handing to another thread (a thread hand-off costs ~10-50 us)
 _MIN_PER_THREAD = 32
 # (F, D) classes the DLRM benchmarks and models use get kernels with F and D as literals
 _SPECIALISED = {(27, 16), (27, 64), (27, 128), (9, 64)}
-
-
-# --------------------------------------------------------------------------- vector intrinsics
-
-
-class _F32Vec(types.Type):
-    """An LLVM <n x float> SSA value (lives in a register)."""
-
-    def __init__(self, n):
-        self.n = n
-        super().__init__(name=f"f32x{n}")
-
-
-@register_model(_F32Vec)
-class _F32VecModel(models.PrimitiveModel):
-    def __init__(self, dmm, fe_type):
-        super().__init__(dmm, fe_type, ir.VectorType(ir.FloatType(), fe_type.n))
-
-
-def _width(w):
-    return w.literal_value if isinstance(w, types.IntegerLiteral) else None
-
-
-def _elem_ptr(context, builder, arrty, arr, idx, n):
-    """Pointer to arr.flat[idx] as a <n x float>* (arr C-contiguous float32)."""
-    data = context.make_array(arrty)(context, builder, arr).data
-    p = builder.gep(data, [idx])
-    return builder.bitcast(p, ir.PointerType(ir.VectorType(ir.FloatType(), n)))
-
-
-@intrinsic
-def _vload(typingctx, arr, idx, w):
-    """arr.flat[idx: idx + w] as a vector (w a compile-time constant)."""
-    n = _width(w)
-    if n is None or not isinstance(arr, types.Array) or arr.dtype != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], n)
-        return builder.load(p, align=4)
-    return _F32Vec(n)(arr, idx, w), codegen
-
-
-@intrinsic
-def _vload_addr(typingctx, addr, w):
-    """The w floats at byte address addr as a vector."""
-    n = _width(w)
-    if n is None or not isinstance(addr, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = builder.inttoptr(args[0], ir.PointerType(ir.VectorType(ir.FloatType(), n)))
-        return builder.load(p, align=4)
-    return _F32Vec(n)(addr, w), codegen
-
-
-@intrinsic
-def _vstore(typingctx, arr, idx, v):
-    """arr.flat[idx: idx + n] = v."""
-    if not isinstance(v, _F32Vec) or not isinstance(arr, types.Array) or arr.dtype != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], v.n)
-        builder.store(args[2], p, align=4)
-        return context.get_dummy_value()
-    return types.none(arr, idx, v), codegen
-
-
-@intrinsic
-def _vsplat(typingctx, x, w):
-    """A vector of w copies of the float32 x."""
-    n = _width(w)
-    if n is None or x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        vt = ir.VectorType(ir.FloatType(), n)
-        undef = ir.Constant(vt, ir.Undefined)
-        v = builder.insert_element(undef, args[0], ir.Constant(ir.IntType(32), 0))
-        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
-    return _F32Vec(n)(x, w), codegen
-
-
-@intrinsic
-def _vzero(typingctx, w):
-    n = _width(w)
-    if n is None:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return ir.Constant(ir.VectorType(ir.FloatType(), n), [0.0] * n)
-    return _F32Vec(n)(w), codegen
-
-
-@intrinsic
-def _vfma(typingctx, a, b, c):
-    """a * b + c, fused."""
-    if not (isinstance(a, _F32Vec) and a == b == c):
-        return None
-
-    def codegen(context, builder, sig, args):
-        vt = args[0].type
-        fnty = ir.FunctionType(vt, [vt] * 3)
-        fma = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{a.n}f32")
-        return builder.call(fma, args)
-    return a(a, b, c), codegen
-
-
-@intrinsic
-def _vadd(typingctx, a, b):
-    if not (isinstance(a, _F32Vec) and a == b):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fadd(*args)
-    return a(a, b), codegen
-
-
-@intrinsic
-def _vlen(typingctx, v):
-    """The lane count of v, as a compile-time constant."""
-    if not isinstance(v, _F32Vec):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return ir.Constant(ir.IntType(64), v.n)
-    return types.int64(v), codegen
-
-
-@intrinsic
-def _vtranspose16(typingctx, rowaddr, r0, coff, out, o0, ostride):
-    """out.flat[o0 + c * ostride: + 16] = column c of the 16 x 16 block whose row q is the 16 floats
-    at byte address rowaddr[r0 + q] + coff: 16 loads, a 4-stage butterfly of 64 two-input
-    shuffles (stage h swaps the off-diagonal h x h blocks), 16 stores."""
-    if not (isinstance(rowaddr, types.Array) and isinstance(out, types.Array) and out.dtype == types.float32):
-        return None
-
-    def codegen(context, builder, sig, args):
-        addrs, r0_, coff_, out_, o0_, ostride_ = args
-        vt = ir.VectorType(ir.FloatType(), 16)
-        base = context.make_array(sig.args[0])(context, builder, addrs).data
-        rows = []
-        for q in range(16):
-            a = builder.load(builder.gep(base, [builder.add(r0_, ir.Constant(r0_.type, q))]))
-            rows.append(builder.load(builder.inttoptr(builder.add(a, coff_), vt.as_pointer()), align=4))
-        for h in (8, 4, 2, 1):
-            new = list(rows)
-            for i in range(16):
-                if i & h == 0:
-                    mi = [c if c & h == 0 else 16 + c - h for c in range(16)]
-                    mj = [c + h if c & h == 0 else 16 + c for c in range(16)]
-                    for k, m in ((i, mi), (i + h, mj)):
-                        mask = ir.Constant(ir.VectorType(ir.IntType(32), 16), m)
-                        new[k] = builder.shuffle_vector(rows[i], rows[i + h], mask)
-            rows = new
-        data = context.make_array(sig.args[3])(context, builder, out_).data
-        for c in range(16):
-            off = builder.add(o0_, builder.mul(ir.Constant(o0_.type, c), ostride_))
-            builder.store(rows[c], builder.bitcast(builder.gep(data, [off]), vt.as_pointer()), align=4)
-        return context.get_dummy_value()
-    return types.none(rowaddr, types.int64, types.int64, out, types.int64, types.int64), codegen
-
-
-@intrinsic
-def _addr(typingctx, arr):
-    """The byte address of arr's first element."""
-    if not isinstance(arr, types.Array):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.ptrtoint(context.make_array(sig.args[0])(context, builder, args[0]).data, ir.IntType(64))
-    return types.int64(arr), codegen
-
-
-@intrinsic
-def _f32_ptr(typingctx, addr):
-    """The byte address addr as a float32* (for numba.carray views of the caller's arrays)."""
-    if not isinstance(addr, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
-    return types.CPointer(types.float32)(addr), codegen
 
 
 # --------------------------------------------------------------------------- dot kernels
@@ -235,11 +48,11 @@ def _store_row(z, b, i, j0, D, off, a, g):
         return
     k = D + i * (i - 1) // 2 + i * off   # pairs in the rows above i
     nz = z.shape[1]
-    w = _vlen(a)
+    w = vlen(a)
     if k + j0 + w <= nz:
-        _vstore(z, b * nz + k + j0, a)
+        vstore(z, b * nz + k + j0, a)
     else:
-        _vstore(g, 0, a)
+        vstore(g, 0, a)
         for j in range(j0, min(n, j0 + w)):
             z[b, k + j] = g[j - j0]
 
@@ -261,22 +74,22 @@ def _dot_forward_factory(spec):
         blocks = W == 16 and D % 16 == 0  # transpose 16 x 16 blocks in registers
         rowaddr = np.empty(Fp, np.int64)   # byte address of each row of the sample; pad rows -> 0s
         zeros = np.zeros(D, np.float32)
-        rowaddr[F:] = _addr(zeros)
+        rowaddr[F:] = addr_of(zeros)
         for b in range(b0, b1):
             for d in range(D):
                 z[b, d] = x[b, d]
             if blocks:
-                rowaddr[0] = _addr(x) + 4 * b * D
+                rowaddr[0] = addr_of(x) + 4 * b * D
                 for t in range(F - 1):
                     rowaddr[t + 1] = addrs[t] + 4 * b * stride
                 for r0 in range(0, Fp, 16):
                     for d0 in range(0, D, 16):
-                        _vtranspose16(rowaddr, r0, 4 * d0, tt, d0 * Fp + r0, Fp)
+                        vtranspose16(rowaddr, r0, 4 * d0, tt, d0 * Fp + r0, Fp)
             else:
                 for d in range(D):
                     tt[d * Fp] = x[b, d]
                 for t in range(F - 1):
-                    row = numba.carray(_f32_ptr(addrs[t] + 4 * b * stride), (D,))
+                    row = numba.carray(f32_ptr(addrs[t] + 4 * b * stride), (D,))
                     for d in range(D):
                         tt[d * Fp + t + 1] = row[d]
             for i0 in range(0, F, 4):
@@ -284,14 +97,14 @@ def _dot_forward_factory(spec):
                 i1, i2, i3 = min(i0 + 1, F - 1), min(i0 + 2, F - 1), min(i0 + 3, F - 1)
                 # lanes the tile's longest row needs, last chunk first (see _store_row)
                 for j0 in range((i3 + off - 1) // W * W, -1, -W):
-                    a0 = a1 = a2 = a3 = _vzero(W)
+                    a0 = a1 = a2 = a3 = vzero(W)
                     for d in range(D):
                         col = d * Fp
-                        v = _vload(tt, col + j0, W)
-                        a0 = _vfma(_vsplat(tt[col + i0], W), v, a0)
-                        a1 = _vfma(_vsplat(tt[col + i1], W), v, a1)
-                        a2 = _vfma(_vsplat(tt[col + i2], W), v, a2)
-                        a3 = _vfma(_vsplat(tt[col + i3], W), v, a3)
+                        v = vload(tt, col + j0, W)
+                        a0 = vfma(vsplat(tt[col + i0], W), v, a0)
+                        a1 = vfma(vsplat(tt[col + i1], W), v, a1)
+                        a2 = vfma(vsplat(tt[col + i2], W), v, a2)
+                        a3 = vfma(vsplat(tt[col + i3], W), v, a3)
                     _store_row(z, b, i0, j0, D, off, a0, g)
                     if i0 + 1 < F:
                         _store_row(z, b, i0 + 1, j0, D, off, a1, g)
@@ -322,14 +135,14 @@ def _dot_backward_factory(spec):
         for b in range(b0, b1):
             if full:
                 for j0 in range(0, D, W):
-                    _vstore(buf, j0, _vload(x, b * D + j0, W))
+                    vstore(buf, j0, vload(x, b * D + j0, W))
                     for t in range(T):
-                        _vstore(buf, (t + 1) * Dp + j0, _vload_addr(addrs[t] + 4 * (b * stride + j0), W))
+                        vstore(buf, (t + 1) * Dp + j0, vload_addr(addrs[t] + 4 * (b * stride + j0), W))
             else:
                 for d in range(D):
                     buf[d] = x[b, d]
                 for t in range(T):
-                    row = numba.carray(_f32_ptr(addrs[t] + 4 * b * stride), (D,))
+                    row = numba.carray(f32_ptr(addrs[t] + 4 * b * stride), (D,))
                     for d in range(D):
                         buf[(t + 1) * Dp + d] = row[d]
             k = D
@@ -340,29 +153,29 @@ def _dot_backward_factory(spec):
                 s[i * F + i] = 2 * dz[b, k - 1] if off else np.float32(0.0)
             for i0 in range(0, F, 4):
                 for j0 in range(0, Dp, W):
-                    a0 = a1 = a2 = a3 = _vzero(W)
+                    a0 = a1 = a2 = a3 = vzero(W)
                     for j in range(F):
-                        v = _vload(buf, j * Dp + j0, W)
-                        a0 = _vfma(_vsplat(s[i0 * F + j], W), v, a0)
-                        a1 = _vfma(_vsplat(s[(i0 + 1) * F + j], W), v, a1)
-                        a2 = _vfma(_vsplat(s[(i0 + 2) * F + j], W), v, a2)
-                        a3 = _vfma(_vsplat(s[(i0 + 3) * F + j], W), v, a3)
+                        v = vload(buf, j * Dp + j0, W)
+                        a0 = vfma(vsplat(s[i0 * F + j], W), v, a0)
+                        a1 = vfma(vsplat(s[(i0 + 1) * F + j], W), v, a1)
+                        a2 = vfma(vsplat(s[(i0 + 2) * F + j], W), v, a2)
+                        a3 = vfma(vsplat(s[(i0 + 3) * F + j], W), v, a3)
                     if full:
                         if i0 == 0:
-                            _vstore(dx, b * D + j0, _vadd(a0, _vload(dz, b * dz.shape[1] + j0, W)))
+                            vstore(dx, b * D + j0, vadd(a0, vload(dz, b * dz.shape[1] + j0, W)))
                         else:
-                            _vstore(dly, ((i0 - 1) * NB + b) * D + j0, a0)
+                            vstore(dly, ((i0 - 1) * NB + b) * D + j0, a0)
                         if i0 + 1 < F:
-                            _vstore(dly, (i0 * NB + b) * D + j0, a1)
+                            vstore(dly, (i0 * NB + b) * D + j0, a1)
                         if i0 + 2 < F:
-                            _vstore(dly, ((i0 + 1) * NB + b) * D + j0, a2)
+                            vstore(dly, ((i0 + 1) * NB + b) * D + j0, a2)
                         if i0 + 3 < F:
-                            _vstore(dly, ((i0 + 2) * NB + b) * D + j0, a3)
+                            vstore(dly, ((i0 + 2) * NB + b) * D + j0, a3)
                     else:
-                        _vstore(o, j0, a0)
-                        _vstore(o, Dp + j0, a1)
-                        _vstore(o, 2 * Dp + j0, a2)
-                        _vstore(o, 3 * Dp + j0, a3)
+                        vstore(o, j0, a0)
+                        vstore(o, Dp + j0, a1)
+                        vstore(o, 2 * Dp + j0, a2)
+                        vstore(o, 3 * Dp + j0, a3)
                 if not full:
                     for q in range(min(4, F - i0)):
                         i = i0 + q

@@ -1,0 +1,194 @@
+"""<W x float> vector values for numba kernels: loads, stores, broadcast FMA and a 16 x 16 register
+transpose as LLVM vector operations, so accumulators stay in registers (W = 16 lanes: one zmm, two
+ymm or four NEON registers; W = 1 for JITKERN_ISA=scalar). Used by the interaction kernels.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+__all__ = ["addr_of", "f32_ptr", "vadd", "vfma", "vlen", "vload", "vload_addr", "vsplat", "vstore", "vtranspose16",
+           "vzero"]
+
+
+class _F32Vec(types.Type):
+    """An LLVM <n x float> SSA value (lives in a register)."""
+
+    def __init__(self, n):
+        self.n = n
+        super().__init__(name=f"f32x{n}")
+
+
+@register_model(_F32Vec)
+class _F32VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, ir.VectorType(ir.FloatType(), fe_type.n))
+
+
+def _width(w):
+    return w.literal_value if isinstance(w, types.IntegerLiteral) else None
+
+
+def _elem_ptr(context, builder, arrty, arr, idx, n):
+    """Pointer to arr.flat[idx] as a <n x float>* (arr C-contiguous float32)."""
+    data = context.make_array(arrty)(context, builder, arr).data
+    p = builder.gep(data, [idx])
+    return builder.bitcast(p, ir.PointerType(ir.VectorType(ir.FloatType(), n)))
+
+
+@intrinsic
+def vload(typingctx, arr, idx, w):
+    """arr.flat[idx: idx + w] as a vector (w a compile-time constant)."""
+    n = _width(w)
+    if n is None or not isinstance(arr, types.Array) or arr.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], n)
+        return builder.load(p, align=4)
+    return _F32Vec(n)(arr, idx, w), codegen
+
+
+@intrinsic
+def vload_addr(typingctx, addr, w):
+    """The w floats at byte address addr as a vector."""
+    n = _width(w)
+    if n is None or not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.PointerType(ir.VectorType(ir.FloatType(), n)))
+        return builder.load(p, align=4)
+    return _F32Vec(n)(addr, w), codegen
+
+
+@intrinsic
+def vstore(typingctx, arr, idx, v):
+    """arr.flat[idx: idx + n] = v."""
+    if not isinstance(v, _F32Vec) or not isinstance(arr, types.Array) or arr.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = _elem_ptr(context, builder, sig.args[0], args[0], args[1], v.n)
+        builder.store(args[2], p, align=4)
+        return context.get_dummy_value()
+    return types.none(arr, idx, v), codegen
+
+
+@intrinsic
+def vsplat(typingctx, x, w):
+    """A vector of w copies of the float32 x."""
+    n = _width(w)
+    if n is None or x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(ir.FloatType(), n)
+        undef = ir.Constant(vt, ir.Undefined)
+        v = builder.insert_element(undef, args[0], ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
+    return _F32Vec(n)(x, w), codegen
+
+
+@intrinsic
+def vzero(typingctx, w):
+    n = _width(w)
+    if n is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(ir.VectorType(ir.FloatType(), n), [0.0] * n)
+    return _F32Vec(n)(w), codegen
+
+
+@intrinsic
+def vfma(typingctx, a, b, c):
+    """a * b + c, fused."""
+    if not (isinstance(a, _F32Vec) and a == b == c):
+        return None
+
+    def codegen(context, builder, sig, args):
+        vt = args[0].type
+        fnty = ir.FunctionType(vt, [vt] * 3)
+        fma = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.fma.v{a.n}f32")
+        return builder.call(fma, args)
+    return a(a, b, c), codegen
+
+
+@intrinsic
+def vadd(typingctx, a, b):
+    if not (isinstance(a, _F32Vec) and a == b):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(*args)
+    return a(a, b), codegen
+
+
+@intrinsic
+def vlen(typingctx, v):
+    """The lane count of v, as a compile-time constant."""
+    if not isinstance(v, _F32Vec):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(ir.IntType(64), v.n)
+    return types.int64(v), codegen
+
+
+@intrinsic
+def vtranspose16(typingctx, rowaddr, r0, coff, out, o0, ostride):
+    """out.flat[o0 + c * ostride: + 16] = column c of the 16 x 16 block whose row q is the 16 floats
+    at byte address rowaddr[r0 + q] + coff: 16 loads, a 4-stage butterfly of 64 two-input
+    shuffles (stage h swaps the off-diagonal h x h blocks), 16 stores."""
+    if not (isinstance(rowaddr, types.Array) and isinstance(out, types.Array) and out.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        addrs, r0_, coff_, out_, o0_, ostride_ = args
+        vt = ir.VectorType(ir.FloatType(), 16)
+        base = context.make_array(sig.args[0])(context, builder, addrs).data
+        rows = []
+        for q in range(16):
+            a = builder.load(builder.gep(base, [builder.add(r0_, ir.Constant(r0_.type, q))]))
+            rows.append(builder.load(builder.inttoptr(builder.add(a, coff_), vt.as_pointer()), align=4))
+        for h in (8, 4, 2, 1):
+            new = list(rows)
+            for i in range(16):
+                if i & h == 0:
+                    mi = [c if c & h == 0 else 16 + c - h for c in range(16)]
+                    mj = [c + h if c & h == 0 else 16 + c for c in range(16)]
+                    for k, m in ((i, mi), (i + h, mj)):
+                        mask = ir.Constant(ir.VectorType(ir.IntType(32), 16), m)
+                        new[k] = builder.shuffle_vector(rows[i], rows[i + h], mask)
+            rows = new
+        data = context.make_array(sig.args[3])(context, builder, out_).data
+        for c in range(16):
+            off = builder.add(o0_, builder.mul(ir.Constant(o0_.type, c), ostride_))
+            builder.store(rows[c], builder.bitcast(builder.gep(data, [off]), vt.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(rowaddr, types.int64, types.int64, out, types.int64, types.int64), codegen
+
+
+@intrinsic
+def addr_of(typingctx, arr):
+    """The byte address of arr's first element."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.ptrtoint(context.make_array(sig.args[0])(context, builder, args[0]).data, ir.IntType(64))
+    return types.int64(arr), codegen
+
+
+@intrinsic
+def f32_ptr(typingctx, addr):
+    """The byte address addr as a float32* (for numba.carray views of the caller's arrays)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+    return types.CPointer(types.float32)(addr), codegen
