@@ -13,6 +13,7 @@ import argparse
 import numpy as np
 
 from ..codegen import jit
+from ..codegen import vec as V
 from ..ops import interaction as K
 from ..ops.reference import interaction_pairs
 from .common import blas_description, do_bench, print_table, set_threads, torch_or_none
@@ -62,13 +63,13 @@ def _torch_step(torch, x, ly, dz):
 @jit()
 def _fma_loop(x, n):
     # 8 independent 16-lane FMA chains: enough to saturate the FMA pipes on AVX-512/AVX2/NEON
-    c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = K._vzero(16)
-    m = K._vsplat(x, 16)
+    c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = V.vzero(16)
+    m = V.vsplat(x, 16)
     for _ in range(n):
-        c0, c1, c2, c3 = K._vfma(m, c0, m), K._vfma(m, c1, m), K._vfma(m, c2, m), K._vfma(m, c3, m)
-        c4, c5, c6, c7 = K._vfma(m, c4, m), K._vfma(m, c5, m), K._vfma(m, c6, m), K._vfma(m, c7, m)
+        c0, c1, c2, c3 = V.vfma(m, c0, m), V.vfma(m, c1, m), V.vfma(m, c2, m), V.vfma(m, c3, m)
+        c4, c5, c6, c7 = V.vfma(m, c4, m), V.vfma(m, c5, m), V.vfma(m, c6, m), V.vfma(m, c7, m)
     out = np.empty(16, np.float32)
-    K._vstore(out, 0, K._vadd(K._vadd(K._vadd(c0, c1), K._vadd(c2, c3)), K._vadd(K._vadd(c4, c5), K._vadd(c6, c7))))
+    V.vstore(out, 0, V.vadd(V.vadd(V.vadd(c0, c1), V.vadd(c2, c3)), V.vadd(V.vadd(c4, c5), V.vadd(c6, c7))))
     return out[0]
 
 
