@@ -215,3 +215,14 @@ def test_cat_argument_errors():
         K.interaction_cat_backward(np.zeros((4, 31), np.float32), x, ly)
     with pytest.raises(TypeError, match="x must be float32"):
         K.interaction_cat_forward(x.astype(np.int32), ly)
+
+
+def test_fma_probe_of_the_interaction_bench_runs():
+    # the bench's peak probe uses codegen.vec directly: keep it compiling (a refactor once broke it)
+    from jitkern.bench.interaction import _fma_loop
+
+    # 8 chains of m*c+m from c = 0, m = 0.5: each step c -> 0.5 c + 0.5, summed over 8 chains, 16 lanes
+    c = 0.0
+    for _ in range(3):
+        c = 0.5 * c + 0.5
+    assert _fma_loop(np.float32(0.5), 3) == np.float32(8 * c)
