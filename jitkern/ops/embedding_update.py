@@ -156,7 +156,7 @@ def _link_rows(indices, offsets, nbags, last, table, row_bytes, scratch):
     slots[:np.int64(1) << bits] = -1
     unit = _one_per_bag(offsets, nbags, n)
     tail = _straddles(table, row_bytes)
-    pf = LINK_PREFETCH if row_bytes > 0 else n  # no rows to prefetch for a gradient (row_bytes 0)
+    pf = LINK_PREFETCH if row_bytes > 0 else n  # row_bytes 0: no prefetch (a gradient; the parallel path)
     if unit:  # one-hot features, the common case: no bag to track or note
         for k in range(n):
             j = n - 1 - k
