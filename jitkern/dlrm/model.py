@@ -367,7 +367,7 @@ class DLRM:
         backward): a hook for the distributed model to progress and bucket its communication."""
 
     def embedding_update(self, offsets, indices, dly, lr):
-        """Fused sparse backward + SGD per table: w[rows] -= lr * coalesced grad."""
+        """Fused sparse backward + SGD per table: each lookup's gradient applied to its row in place."""
         with self.timer("embedding_upd"):
             for t, w in enumerate(self.emb):
                 ops.embedding_bag_sgd_(w, indices[t], offsets[t], dly[:, t], lr)

@@ -1,6 +1,7 @@
 """Public kernels: checked wrappers over generated code. References live in ops.reference."""
 from .embedding import embedding_bag_forward, empty_table
-from .embedding_update import embedding_bag_adagrad_, embedding_bag_backward, embedding_bag_sgd_
+from .embedding_sgd import embedding_bag_sgd_
+from .embedding_update import embedding_bag_adagrad_, embedding_bag_backward
 from .gemm import batch_reduce_gemm, gemm, linear_backward, linear_forward
 from .interaction import (
     interaction_cat_backward,

@@ -100,22 +100,20 @@ def plan(indices, offsets, psw, nbags, num_rows, last, mean, nparts, work, fwork
     return (code, bad, value), rows, sbag, sscale, group, parts
 
 
-def sorted_update(DC, PF, ITEM, GRAD, SGD, BF16):
+def sorted_update(DC, PF, GRAD):
     @jit(parallel=True, fastmath=frozenset())
-    def update(rows, sbag, sscale, group, parts, dout, lr, eps, table, lo, state, drows):
-        # table: (R, D) float32 weight, or bf16 hi bits with lo the low halves; state: (R,) Adagrad;
-        # drows: (U, D) output of kind "grad". Part t (one thread's) owns the row groups parts[t]:parts[t+1].
+    def update(rows, sbag, sscale, group, parts, dout, lr, eps, table, state, drows):
+        # table: (R, D) float32 weight, state: (R,) its Adagrad state; drows: (U, D) output of the
+        # gradient (GRAD). Part t (one thread's) owns the row groups parts[t]:parts[t+1].
         D = DC if DC else dout.shape[1]
         ngroups = group.shape[0] - 1
-        tail, lo_tail = _straddles(table, D * ITEM), _straddles(lo, D * ITEM)
+        tail = _straddles(table, D * 4)
         for t in prange(parts.shape[0] - 1):
             acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
             g0, g1 = parts[t], parts[t + 1]
             for g in range(g0, g1):
                 if not GRAD and g + PF < ngroups:  # a hint only: may touch the next part's rows
-                    _prefetch_row(table, rows[group[g + PF]], D * ITEM, True, tail)
-                    if BF16:
-                        _prefetch_row(lo, rows[group[g + PF]], D * ITEM, True, lo_tail)
+                    _prefetch_row(table, rows[group[g + PF]], D * 4, True, tail)
                 # the coalesced gradient of this row: its occurrences in position order
                 for k in range(group[g], group[g + 1]):
                     _madd_row(acc, 0, dout, sbag[k], sscale[k], D, DC, k == group[g])
@@ -123,5 +121,5 @@ def sorted_update(DC, PF, ITEM, GRAD, SGD, BF16):
                 if GRAD:
                     _madd_row(drows, g, acc, 0, np.float32(1.0), D, DC, True)
                 else:
-                    _apply_row(table, lo, state, r, acc, 0, lr, eps, D, DC, SGD, BF16)
+                    _apply_row(table, table, state, r, acc, 0, lr, eps, D, DC, False, False)  # Adagrad
     return update

@@ -1,12 +1,13 @@
-"""Embedding-bag backward and fused in-place updates: SGD, BF16 Split-SGD, row-wise Adagrad.
+"""Embedding-bag backward and the fused row-wise Adagrad update (SGD: ops/embedding_sgd.py).
 
-Every path computes "coalesce, then update": a row's gradient is the sum of its occurrences'
-scaled dout rows, added in position order, and the row is then updated once. The order is
-fixed by the data alone, so results are bit-identical run to run, path to path and for any
-thread count. Two ways to find each row's occurrences:
+Both compute "coalesce, then update": a row's gradient is the sum of its occurrences' scaled
+dout rows, added in position order, and the row is then updated once (Adagrad's state takes
+the square of the whole row gradient, so occurrences cannot be applied one by one as SGD's
+are). The order is fixed by the data alone, so results are bit-identical run to run, path to
+path and for any thread count. Two ways to find each row's occurrences:
 
-- hashed (the fused updates when a batch touches few rows of the table, the usual case): one
-  reverse pass over the entries inserts each row into an open-addressing table and threads its
+- hashed (Adagrad when a batch touches few rows of the table, the usual case): one reverse
+  pass over the entries inserts each row into an open-addressing table and threads its
   occurrences into a linked list headed by its first occurrence; a forward pass then visits the
   heads, sums each list's gradient in registers and updates the row once, prefetching rows
   ahead. Nothing is sorted and no per-row gradient is written to memory. With several threads
@@ -55,9 +56,7 @@ _CHUNKS = 64             # row-group parts of the sorted path
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: a row's slot is the top bits of row * this
 _LO32 = (1 << 32) - 1
 _MAX_ROWS, _MAX_NNZ = 1 << 32, (1 << 31) - 1
-_UPDATES = ("grad", "sgd", "sgd_bf16", "adagrad")
 _NO_STATE = np.empty(0, np.float32)      # stand-ins for absent optional arrays (kernels never read them)
-_NO_LO = np.empty((0, 0), np.uint16)
 _NO_ROWS = np.empty((0, 0), np.float32)
 
 
@@ -65,7 +64,8 @@ def _update_path(nnz: int, num_rows: int, threads: int, repeats: float = 0.0) ->
     """'hashed', 'hashed-parallel' or 'sorted' for a fused update of nnz indices into num_rows rows,
     `repeats` the share of a sample of them that repeats a row (see _sample_repeats).
 
-    Measured on Zen 4, D=16..128, B=2048: hashed is 1.2-1.8x faster than sorted up to ~1 index
+    Measured on Zen 4 with the fused SGD (which took these paths before ops/embedding_sgd.py),
+    D=16..128, B=2048: hashed is 1.2-1.8x faster than sorted up to ~1 index
     per 8 rows (R=1e6, pooling 20, D=16: ~370 vs ~540 us), sorted ~6% faster at 1 per 5. Skewed
     batches sort better: Zipf(1.1) rows (a third of a sample repeats) 566 vs 780 us, R=1e6, fresh
     batches, where hashing walks long lists entry by entry."""
@@ -207,24 +207,21 @@ def _walker(DC, PF, kind, listed):
     kind: over a list of heads (listed), or over the entries j0 <= j < j0 + len(heads) that head
     a list (heads then only gives the count). Copies for unscaled and scaled (per-sample weights
     or mean) entries, so the common one tests nothing per entry."""
-    ITEM = 2 if kind == "sgd_bf16" else 4
-    SGD, BF16 = kind == "sgd", kind == "sgd_bf16"
+    assert kind == "adagrad"
 
     @jit(inline="always")
-    def loop(heads, j0, unit, scaled, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch):
+    def loop(heads, j0, unit, scaled, indices, offsets, psw, mean, last, dout, lr, eps, table, state, scratch):
         nbags, n = dout.shape[0], indices.shape[0]
         D = DC if DC else dout.shape[1]
         nxt, ebag, head = scratch[4 * n:5 * n], scratch[5 * n:6 * n], scratch[6 * n:7 * n]
         acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
         one = np.float32(1.0)
         m = heads.shape[0]
-        tail, lo_tail = _straddles(table, D * ITEM), _straddles(lo, D * ITEM)
+        tail = _straddles(table, D * 4)
         for i in range(m):
             if i + PF < m:  # rows are prefetched for writing (the reads miss in DRAM); unlisted, a
                 r = indices[heads[i + PF]] if listed else indices[j0 + i + PF]  # repeat's row at times
-                _prefetch_row(table, r, D * ITEM, True, tail)
-                if BF16:
-                    _prefetch_row(lo, r, D * ITEM, True, lo_tail)
+                _prefetch_row(table, r, D * 4, True, tail)
             j = heads[i] if listed else j0 + i
             if listed or head[j]:
                 k = j
@@ -235,16 +232,16 @@ def _walker(DC, PF, kind, listed):
                     _madd_row(acc, 0, dout, b, sc, D, DC, first)
                     first = False
                     k = nxt[k]
-                _apply_row(table, lo, state, indices[j], acc, 0, lr, eps, D, DC, SGD, BF16)
+                _apply_row(table, table, state, indices[j], acc, 0, lr, eps, D, DC, False, False)  # no lo: fp32
 
     @jit(fastmath=frozenset())
-    def walk(heads, j0, unit, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch):
+    def walk(heads, j0, unit, indices, offsets, psw, mean, last, dout, lr, eps, table, state, scratch):
         if listed and (mean or psw.shape[0] > 0):  # scaled entries are always listed (see _applier)
-            loop(heads, j0, unit, True, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch)
+            loop(heads, j0, unit, True, indices, offsets, psw, mean, last, dout, lr, eps, table, state, scratch)
         elif listed or not unit:
-            loop(heads, j0, unit, False, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch)
+            loop(heads, j0, unit, False, indices, offsets, psw, mean, last, dout, lr, eps, table, state, scratch)
         else:  # one-hot bags, unscaled: the common case, nothing tested per entry but the head
-            loop(heads, j0, True, False, indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch)
+            loop(heads, j0, True, False, indices, offsets, psw, mean, last, dout, lr, eps, table, state, scratch)
     return walk
 
 
@@ -256,7 +253,7 @@ def _applier(DC, PF, kind):
     walk_range = _walker(DC, PF, kind, False)
 
     @jit(fastmath=frozenset())  # strict IEEE: every path and bf16/fp32 round identically
-    def apply(j0, j1, unit, indices, offsets, psw, mean, last, dout, lr32, eps, table, lo, state, scratch):
+    def apply(j0, j1, unit, indices, offsets, psw, mean, last, dout, lr32, eps, table, state, scratch):
         # update the rows whose first occurrence is in [j0, j1): walk the entries, testing each for
         # a list head, or, when many repeat a row (the test then mispredicts often), list the heads
         # first. The walks are functions of their own: inlined here, or in a prange body, LLVM
@@ -266,42 +263,41 @@ def _applier(DC, PF, kind):
         # to compile, for ~0.4 ns an entry
         if mean or psw.shape[0] > 0 or ((j1 - j0) - scratch[6 * n + j0:6 * n + j1].sum()) * LIST_REPEATS > j1 - j0:
             walk_listed(_list_heads(j0, j1, scratch, n), 0, unit, indices, offsets, psw, mean, last, dout, lr32,
-                        eps, table, lo, state, scratch)
+                        eps, table, state, scratch)
         else:
-            walk_range(scratch[j0:j1], j0, unit, indices, offsets, psw, mean, last, dout, lr32, eps, table, lo,
-                       state, scratch)
+            walk_range(scratch[j0:j1], j0, unit, indices, offsets, psw, mean, last, dout, lr32, eps, table, state,
+                       scratch)
     return apply
 
 
 @kernel_factory("embedding_bag_update")
 def _update_factory(spec):
     DC, PF, kind, path = spec["D"], spec["pf"], spec["kind"], spec["path"]
-    ITEM = 2 if kind == "sgd_bf16" else 4
-    GRAD, SGD, BF16, _ = (kind == k for k in _UPDATES)
+    GRAD = kind == "grad"
     if path == "sorted":
-        return sorted_update(DC, PF, ITEM, GRAD, SGD, BF16)
+        return sorted_update(DC, PF, GRAD)
 
     apply = _applier(DC, PF, kind)
 
     @jit(inline="always")
     def _row_bytes(dout):  # of the table rows the serial linking pass prefetches; none for a gradient
-        return 0 if GRAD else (DC if DC else dout.shape[1]) * ITEM
+        return 0 if GRAD else (DC if DC else dout.shape[1]) * 4
 
     @jit(fastmath=frozenset())
-    def hashed(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch, nparts):
-        # indices: (nnz,), offsets: (B,)|(B+1,), dout: (B, D), table: (R, D) float32 or bf16 hi bits
-        # with lo (R, D) the low halves, state: (R,) Adagrad, scratch: (>= 7 nnz,) int64
+    def hashed(indices, offsets, psw, mean, last, dout, lr, eps, table, state, scratch, nparts):
+        # indices: (nnz,), offsets: (B,)|(B+1,), dout: (B, D), table: (R, D) float32, state: (R,)
+        # Adagrad, scratch: (>= 7 nnz,) int64
         code, bad, value = _validate_bags(indices, offsets, dout.shape[0], table.shape[0], last)
         if code:
             return code, bad, value
         unit = _link_rows(indices, offsets, dout.shape[0], last, table, _row_bytes(dout), scratch)
         # lr arrives as a Python float: converting here costs less than np.float32() in the wrapper
         apply(0, indices.shape[0], unit, indices, offsets, psw, mean, last, dout, np.float32(lr), eps,
-              table, lo, state, scratch)
+              table, state, scratch)
         return 0, 0, 0
 
     @jit(parallel=True, fastmath=frozenset())
-    def hashed_parallel(indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, scratch, nparts):
+    def hashed_parallel(indices, offsets, psw, mean, last, dout, lr, eps, table, state, scratch, nparts):
         # the same, the entries cut into nparts position ranges, one per thread: a row is updated
         # by the range holding its first occurrence only, so no two threads touch one. Linking
         # stays serial: split by owner (each thread scanning all entries for its rows, or a
@@ -316,7 +312,7 @@ def _update_factory(spec):
         lr32 = np.float32(lr)
         for t in prange(nparts):
             apply(t * n // nparts, (t + 1) * n // nparts, unit, indices, offsets, psw, mean, last, dout, lr32, eps,
-                  table, lo, state, scratch)
+                  table, state, scratch)
         return 0, 0, 0
     return hashed_parallel if path == "hashed-parallel" else hashed
 
@@ -339,7 +335,7 @@ def _scratch(n, per_entry):
     return buf
 
 
-def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr, eps, mode,
+def _sparse_update(kind, table, state, indices, offsets, dout, num_rows, lr, eps, mode,
                    per_sample_weights, include_last_offset, table_name):
     """Validate, group and run one sparse kernel; returns (rows, drows) for kind "grad"."""
     if table is not None:
@@ -357,7 +353,6 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
         raise ValueError(f"embedding updates support up to 2**32 rows and 2**31 indices, got {num_rows} rows, "
                          f"{nnz} indices")
     last = bool(include_last_offset)
-    lo = _NO_LO if lo is None else lo
     state = _NO_STATE if state is None else state
     if kind != "grad":
         threads = _num_threads()
@@ -365,7 +360,7 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
         path = _update_path(nnz, num_rows, threads, sample)
         if path != "sorted":
             code, pos, val = _update_kernel(D, kind, path)(
-                indices, offsets, psw, mean, last, dout, lr, eps, table, lo, state, _scratch(nnz, 7), threads)
+                indices, offsets, psw, mean, last, dout, lr, eps, table, state, _scratch(nnz, 7), threads)
             if code:
                 _raise_bag_error(code, pos, val, table_name, num_rows, nnz)
             return None
@@ -381,7 +376,7 @@ def _sparse_update(kind, table, lo, state, indices, offsets, dout, num_rows, lr,
     if ngroups and D:
         _update_kernel(D, kind, "sorted")(
             rows, sbag, sscale, group, parts, dout, np.float32(lr), np.float64(eps),
-            drows if table is None else table, lo, state, drows)
+            drows if table is None else table, state, drows)
     return (rows[group[:-1]], drows) if kind == "grad" else None
 
 
@@ -391,18 +386,8 @@ def embedding_bag_backward(indices, offsets, dout, num_rows, *, mode="sum", per_
     num_rows = operator.index(num_rows)
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
-    return _sparse_update("grad", None, None, None, indices, offsets, dout, num_rows, 0.0, 0.0, mode,
+    return _sparse_update("grad", None, None, indices, offsets, dout, num_rows, 0.0, 0.0, mode,
                           per_sample_weights, include_last_offset, "num_rows")
-
-
-def embedding_bag_sgd_(weight, indices, offsets, dout, lr, *, mode="sum", per_sample_weights=None,
-                       include_last_offset=False):
-    """In place, fused: weight[rows] -= lr * drows (coalesce, then update). Returns weight."""
-    w, bf16 = _check_table(weight, writeable=True)
-    lr = _finite("lr", lr)
-    _sparse_update("sgd_bf16" if bf16 else "sgd", w, weight.lo if bf16 else None, None, indices, offsets,
-                   dout, w.shape[0], lr, 0.0, mode, per_sample_weights, include_last_offset, "weight")
-    return weight
 
 
 def embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, eps=1e-8, *, mode="sum",
@@ -417,6 +402,6 @@ def embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, eps=1e-8, 
     eps = _finite("eps", eps)
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    _sparse_update("adagrad", w, None, state, indices, offsets, dout, w.shape[0], lr, eps, mode,
+    _sparse_update("adagrad", w, state, indices, offsets, dout, w.shape[0], lr, eps, mode,
                    per_sample_weights, include_last_offset, "weight")
     return weight

@@ -102,11 +102,19 @@ def embedding_bag_backward(indices, offsets, dout, num_rows, *, mode="sum", per_
 
 def embedding_bag_sgd_(weight, indices, offsets, dout, lr, *, mode="sum", per_sample_weights=None,
                        include_last_offset=False):
-    """In place: weight[rows] -= lr * drows (coalesce, then update). Returns weight."""
-    rows, drows = embedding_bag_backward(indices, offsets, dout, weight.shape[0], mode=mode,
-                                         per_sample_weights=per_sample_weights,
-                                         include_last_offset=include_last_offset)
-    weight[rows] = (weight[rows] - np.float32(lr) * drows).astype(weight.dtype)
+    """In place, entry by entry in position order: weight[indices[j]] -= lr * g_j, g_j = scale_j *
+    dout[bag of j], all in float32 (np.add.at's rounding; "coalesce, then update" to float rounding)."""
+    idx = np.asarray(indices, np.int64)
+    starts, ends = _bag_bounds(offsets, len(idx), include_last_offset)
+    bag_of = np.repeat(np.arange(len(starts)), ends - starts)
+    g = np.asarray(dout, np.float32)[bag_of]
+    if per_sample_weights is not None or mode == "mean":
+        scale = np.ones(len(idx), np.float32) if per_sample_weights is None else np.asarray(per_sample_weights,
+                                                                                           np.float32)
+        if mode == "mean":
+            scale = scale * (np.float32(1) / np.maximum(ends - starts, 1).astype(np.float32))[bag_of]
+        g = scale[:, None] * g
+    np.add.at(weight, idx, -(np.float32(lr) * g))
     return weight
 
 
