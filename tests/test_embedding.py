@@ -3,13 +3,15 @@
 Hypothesis draws D only from widths outside SPECIALISED_D (they all share the generic runtime-D
 kernel); each specialised width is compiled and checked once in test_specialised_widths.
 """
+import re
+
 import numba
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jitkern.codegen.prefetch import prefetch, prefetch_write
+from jitkern.codegen.prefetch import prefetch, prefetch_l2, prefetch_write
 from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_backward, embedding_bag_forward
 from jitkern.ops import embedding_bag_sgd_, reference
 from jitkern.ops import embedding, embedding_sgd, embedding_update
@@ -360,6 +362,7 @@ def _prefetched_sum(w, v, idx):
     for j in range(idx.shape[0]):
         prefetch(w, idx[(j + 4) % idx.shape[0]], 0)
         prefetch_write(v, idx[j] * 1000, 64)  # hints may point anywhere: never dereferenced
+        prefetch_l2(w, idx[j] - 7, 4)
         s += w[idx[j], 0]
     return s
 
@@ -371,6 +374,9 @@ def test_prefetch_intrinsic_emits_llvm_prefetch_and_changes_nothing():
     assert _prefetched_sum(w, v, idx) == w[idx, 0].sum()
     llvm_ir = _prefetched_sum.inspect_llvm(_prefetched_sum.signatures[0])
     assert "@llvm.prefetch" in llvm_ir
+    # read into L1, write, read into L2: (rw, locality) = (0, 3), (1, 3), (0, 2)
+    calls = re.findall(r"call void @llvm\.prefetch[.\w]*\([^,]+, i32 (\d), i32 (\d), i32 1\)", llvm_ir)
+    assert sorted(set(calls)) == [("0", "2"), ("0", "3"), ("1", "3")]
 
 
 def test_skewed_batches_take_the_sorted_update():

@@ -85,9 +85,9 @@ def _loops(DC, PF, BF16, scaled):
 
     @jit(inline="always")
     def prefetch_rows(table, lo, r, D, tail, lo_tail):
-        _prefetch_row(table, r, D * ITEM, True, tail)
+        _prefetch_row(table, r, D * ITEM, tail)
         if BF16:
-            _prefetch_row(lo, r, D * ITEM, True, lo_tail)
+            _prefetch_row(lo, r, D * ITEM, lo_tail)
 
     @jit(inline="always")
     def apply_entry(table, lo, state, r, j, b, indices, offsets, psw, mean, last, dout, lr, acc, D):

@@ -113,7 +113,7 @@ def sorted_update(DC, PF, GRAD):
             g0, g1 = parts[t], parts[t + 1]
             for g in range(g0, g1):
                 if not GRAD and g + PF < ngroups:  # a hint only: may touch the next part's rows
-                    _prefetch_row(table, rows[group[g + PF]], D * 4, True, tail)
+                    _prefetch_row(table, rows[group[g + PF]], D * 4, tail)
                 # the coalesced gradient of this row: its occurrences in position order
                 for k in range(group[g], group[g + 1]):
                     _madd_row(acc, 0, dout, sbag[k], sscale[k], D, DC, k == group[g])

@@ -161,14 +161,14 @@ def _link_rows(indices, offsets, nbags, last, table, row_bytes, scratch):
         for k in range(n):
             j = n - 1 - k
             if j >= pf:
-                _prefetch_row(table, indices[j - pf], row_bytes, True, tail)
+                _prefetch_row(table, indices[j - pf], row_bytes, tail)
             _insert(slots, bits, np.int64(indices[j]), j, nxt, head)
         return unit
     b, s = nbags, n
     for k in range(n):
         j = n - 1 - k
         if j >= pf:
-            _prefetch_row(table, indices[j - pf], row_bytes, True, tail)
+            _prefetch_row(table, indices[j - pf], row_bytes, tail)
         while j < s:
             b -= 1
             s = offsets[b]
@@ -221,7 +221,7 @@ def _walker(DC, PF, kind, listed):
         for i in range(m):
             if i + PF < m:  # rows are prefetched for writing (the reads miss in DRAM); unlisted, a
                 r = indices[heads[i + PF]] if listed else indices[j0 + i + PF]  # repeat's row at times
-                _prefetch_row(table, r, D * 4, True, tail)
+                _prefetch_row(table, r, D * 4, tail)
             j = heads[i] if listed else j0 + i
             if listed or head[j]:
                 k = j
