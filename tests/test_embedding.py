@@ -165,7 +165,7 @@ def test_specialised_widths(dim):
         np.testing.assert_allclose(drows, want_drows, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("dim", [128, 37])
+@pytest.mark.parametrize("dim", [*SPECIALISED_D, 37])
 def test_bf16_split_sgd_equals_fp32_sgd_bit_for_bit(dim):
     rng = np.random.default_rng(dim)
     w = rng.standard_normal((300, dim)).astype(np.float32)

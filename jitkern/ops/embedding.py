@@ -21,7 +21,7 @@ from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory
 from ..codegen.prefetch import prefetch_l2
-from ..codegen.rowvec import row_axpy, row_set, stack_f32
+from ..codegen.rowvec import row_axpy, row_set, row_split_axpy, stack_f32
 from .optim import SplitBF16Table, as_float32, as_uint32, widen
 
 SPECIALISED_D = (16, 32, 64, 128)  # widths that get a compile-time-D kernel
@@ -381,11 +381,14 @@ def _apply_row(table, lo, state, r, acc, a, lr, eps, D, DC, SGD, BF16):
     if SGD:
         _madd_row(table, r, acc, a, -lr, D, DC, False)  # w + (-lr * g): exactly w - lr * g
     elif BF16:
-        for d in range(D):
-            w = as_float32((np.uint32(table[r, d]) << np.uint32(16)) | np.uint32(lo[r, d]))
-            bits = as_uint32(w - lr * acc[a, d])
-            table[r, d] = np.uint16(bits >> np.uint32(16))
-            lo[r, d] = np.uint16(bits & np.uint32(0xFFFF))
+        if DC:
+            row_split_axpy(table, lo, r, acc, a, -lr, DC)  # w + (-lr * g): exactly w - lr * g, as below
+        else:
+            for d in range(D):
+                w = as_float32((np.uint32(table[r, d]) << np.uint32(16)) | np.uint32(lo[r, d]))
+                bits = as_uint32(w - lr * acc[a, d])
+                table[r, d] = np.uint16(bits >> np.uint32(16))
+                lo[r, d] = np.uint16(bits & np.uint32(0xFFFF))
     else:
         ss = 0.0
         for d in range(D):

@@ -129,7 +129,9 @@ class SplitBF16Table:
         w = np.ascontiguousarray(weight)
         if w.dtype != np.float32 or w.ndim != 2:
             raise TypeError(f"weight must be a 2-D float32 array, got {w.dtype} with shape {w.shape}")
-        hi, lo = np.empty(w.shape, np.uint16), np.empty(w.shape, np.uint16)
+        from .embedding import empty_table  # (embedding imports this module)
+        # line-aligned halves on huge pages, as fp32 tables: rows are read and written at random
+        hi, lo = (empty_table(w.shape[0], w.shape[1], np.uint16) for _ in range(2))
         if w.size:
             _split(w, hi, lo)
         return cls(hi, lo)
