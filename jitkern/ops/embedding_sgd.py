@@ -6,9 +6,9 @@ in float32, which is exactly NumPy's np.add.at(weight, indices, -lr * g) (refere
 embedding_bag_sgd_). SGD is linear, so this equals "coalesce, then update" up to one rounding
 of the row per repeated occurrence; row-wise Adagrad is not linear in the gradient and keeps
 the coalescing paths of ops/embedding_update.py. No grouping pass: the rows are read and
-written as the forward reads them, prefetched for writing a few entries ahead, so on batches
-that miss in the caches the update costs about what the forward does. (Coalescing first cost a
-hashing pass and a walk over per-entry lists: 1.86 vs 1.39 ms at R=1e7, D=64, pooling 20.)
+written as the forward reads them, prefetched a few entries ahead, so on batches that miss in
+the caches the update costs about what the forward does. (Coalescing first cost a hashing pass
+and a walk over per-entry lists: 2.24 vs 1.50 ms at R=1e7, D=64, pooling 20, fresh batches.)
 
 Parallel by row ownership: rows are dealt to parts in blocks of 16 by a hash of the block, so
 the hot rows at the start of a frequency-ordered vocabulary still spread over the threads. Each
@@ -43,9 +43,9 @@ from .embedding import (
 )
 from .embedding_update import _scratch
 
-SGD_PREFETCH = 32           # entries ahead whose rows are prefetched for writing
+SGD_PREFETCH = 32           # entries ahead whose rows are prefetched (16-64: within 10%)
 PARALLEL_MIN_WORK = 1 << 14  # nnz * D below which the update runs on the calling thread
-OWNER_BLOCK = 4             # log2 of the rows per ownership block: 16 rows, whole cache lines for D >= 1
+OWNER_BLOCK = 4             # log2 of the rows per ownership block: 16, whole lines of an aligned table
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _LO32 = (1 << 32) - 1
 _MAX_NNZ = (1 << 31) - 1    # an entry's position and bag share one int64 word in a part's list

@@ -46,8 +46,8 @@ from .embedding import (
 )
 from .embedding_sorted import plan, sorted_update
 
-UPDATE_PREFETCH = 32     # entries ahead whose rows the updates prefetch for writing (16-32: within noise)
-LINK_PREFETCH = 32       # entries ahead whose rows the linking pass prefetches for writing
+UPDATE_PREFETCH = 32     # entries ahead whose rows the updates prefetch (16-32: within noise)
+LINK_PREFETCH = 32       # entries ahead whose rows the linking pass prefetches
 HASHED_MAX_DENSITY = 8   # hashed grouping while nnz * this <= rows (sparse batches); sorted beyond
 SORTED_REPEATS = 0.2     # sorted grouping once this share of a sample repeats rows (skewed batches)
 LIST_REPEATS = 16        # gather the list heads first once more than 1 entry in this many repeats a row
@@ -148,7 +148,7 @@ def _link_rows(indices, offsets, nbags, last, table, row_bytes, scratch):
     """Thread every entry into its row's list (one reverse pass; see _insert), noting each entry's
     bag in ebag (tracked backwards from the last bag). Returns whether entry j is bag j for all j.
 
-    Each entry's table row is prefetched for writing LINK_PREFETCH entries before it is linked:
+    Each entry's table row is prefetched LINK_PREFETCH entries before it is linked:
     the rows come in from memory while this pass hashes, instead of during the update walk."""
     n = indices.shape[0]
     slots, nxt, ebag, head = _scratch_views(scratch, n)
@@ -219,7 +219,7 @@ def _walker(DC, PF, kind, listed):
         m = heads.shape[0]
         tail = _straddles(table, D * 4)
         for i in range(m):
-            if i + PF < m:  # rows are prefetched for writing (the reads miss in DRAM); unlisted, a
+            if i + PF < m:  # rows are prefetched (the reads miss in DRAM); unlisted, a
                 r = indices[heads[i + PF]] if listed else indices[j0 + i + PF]  # repeat's row at times
                 _prefetch_row(table, r, D * 4, tail)
             j = heads[i] if listed else j0 + i
@@ -306,8 +306,9 @@ def _update_factory(spec):
         if code:
             return code, bad, value
         n = indices.shape[0]
-        # no row prefetch while linking: rows this core fetched for writing would have to move to
-        # the core that updates them (2 threads, R=1e7, pooling 20, D=16: 0.99 ms with, vs 0.65 on one)
+        # no row prefetch while linking: rows this core fetched would have to move to the core that
+        # updates them (measured with SGD and write prefetches, 2 threads, R=1e7, pooling 20, D=16:
+        # 0.99 ms with, vs 0.65 on one)
         unit = _link_rows(indices, offsets, dout.shape[0], last, table, 0, scratch)
         lr32 = np.float32(lr)
         for t in prange(nparts):
