@@ -48,8 +48,10 @@ def _load_row(builder, ptr, dtype, n):
     """<n x float> from a float32 row, or from a uint16 row of bf16 bits (shifted into the high half)."""
     if dtype == types.uint16:
         raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), n).as_pointer()), align=2)
-        i32 = ir.VectorType(ir.IntType(32), n)
-        return builder.bitcast(builder.shl(builder.zext(raw, i32), ir.Constant(i32, [16] * n)),
+        lanes = ir.VectorType(ir.IntType(32), 2 * n)  # bf16 m -> 16-bit lane 2m + 1, lane 2m zero
+        zero = ir.Constant(ir.VectorType(ir.IntType(16), n), [0] * n)
+        return builder.bitcast(builder.shuffle_vector(zero, raw, ir.Constant(lanes, [k // 2 + (n if k % 2 else 0)
+                                                                                     for k in range(2 * n)])),
                                ir.VectorType(_F32, n))
     return builder.load(builder.bitcast(ptr, ir.VectorType(_F32, n).as_pointer()), align=4)
 
