@@ -47,7 +47,7 @@ def _force_path(mp, path):
     SGD in 2 ownership parts; hashed-parallel: the parallel forward, hashed Adagrad applied in 3
     position ranges and SGD in 3 ownership parts."""
     mp.setattr(embedding, "_serial", lambda work, dim: path == "fast")
-    mp.setattr(embedding_sgd, "_parts", lambda nnz, dim: {"fast": 1, "general": 2, "hashed-parallel": 3}[path])
+    mp.setattr(embedding_sgd, "_parts", lambda nnz, dim, table_bytes: {"fast": 1, "general": 2, "hashed-parallel": 3}[path])
     update = {"fast": "hashed", "general": "sorted", "hashed-parallel": "hashed-parallel"}[path]
     mp.setattr(embedding_update, "_update_path", lambda nnz, num_rows, threads, repeats=0.0: update)
     if path == "hashed-parallel":
@@ -207,6 +207,14 @@ def test_parallel_update_is_deterministic_and_thread_count_independent(path):
     for w, s in results[1:]:
         np.testing.assert_array_equal(w, results[0][0])
         np.testing.assert_array_equal(s, results[0][1])
+
+
+def test_sgd_threads_only_for_tables_beyond_the_caches(monkeypatch):
+    """A second thread pays where rows come from DRAM; small tables and batches stay serial."""
+    monkeypatch.setattr(embedding_sgd, "_num_threads", lambda: 4)
+    assert embedding_sgd._parts(40960, 64, 1 << 30) == 4
+    assert embedding_sgd._parts(40960, 64, 1 << 20) == 1
+    assert embedding_sgd._parts(100, 64, 1 << 30) == 1
 
 
 def test_empty_bags_and_batches(path):
