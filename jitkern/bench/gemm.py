@@ -7,12 +7,12 @@ NumPy time / jitkern time (> 1: jitkern is faster).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import numpy as np
 
+from ..config import omp_wait_setting
 from .common import blas_description, do_bench, print_table, set_threads
 
 # (in, out) of the DLRM MLP layers, as in the issue
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     t_import = time.perf_counter() - t_start
     target = host_target()
     print(f"target {target.key} isa={target.isa} threads={numba.get_num_threads()} "
-          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}  {blas_description()}")
+          f"{omp_wait_setting()}  {blas_description()}")
     rng = np.random.default_rng(0)
     rows, fwd_ratios, bwd_ratios = [], [], []
     t_first = None
