@@ -59,10 +59,10 @@ def _parts(nnz: int, dim: int, table_bytes: int) -> int:
     """How many ownership parts an update of nnz rows of width dim is cut into (1: serial).
 
     Threads pay off where rows come from DRAM: each core then keeps its own misses in flight.
-    Measured, 2 threads, pooling 20, fresh batches: R=1e7 x 64 fp32 (2.4 GiB) 1.5x, R=1e5 x 64
-    (24 MiB) 1.5x, R=1e5 x 16 (6 MiB) 0.8x, R=1e3 x 16 0.6x (the bucketing pass and two parallel
-    starts cost more than half of a cache-resident update); R=1e7, pooling 1: 1.1x at D=64,
-    0.9x at D=16."""
+    Measured, 2 threads against 1, pooling 20, fresh batches: R=1e7 x 64 fp32 (2.4 GiB) 1.5x,
+    R=1e5 x 64 (24 MiB) 1.4x, R=1e5 x 16 (6 MiB) 0.7x, R=1e3 x 16 0.5x (each part's pass over
+    all entries costs about as much as a cache-resident update); R=1e7, pooling 1: 1.4x at D=64,
+    1.0x at D=16."""
     if nnz * max(dim, 1) < PARALLEL_MIN_WORK or table_bytes < PARALLEL_MIN_TABLE:
         return 1
     return _num_threads()
