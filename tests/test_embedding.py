@@ -158,6 +158,13 @@ def test_specialised_widths(dim):
     embedding_bag_sgd_(got, idx, off, dout, 0.1)
     reference.embedding_bag_sgd_(want, idx, off, dout, 0.1)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    got_s, want_s = np.ones(500, np.float32), np.ones(500, np.float32)
+    got, want = w.copy(), w.copy()
+    embedding_bag_adagrad_(got, got_s, idx, off, dout, 0.1)
+    reference.embedding_bag_adagrad_(want, want_s, idx, off, dout, 0.1)
+    longest = int(np.bincount(idx).max())
+    np.testing.assert_allclose(got_s, want_s, rtol=4 * longest * EPS32 * 4)  # as in the property test
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     if dim == SPECIALISED_D[0]:
         rows, drows = embedding_bag_backward(idx, off, dout, 500)
         want_rows, want_drows = reference.embedding_bag_backward(idx, off, dout, 500)

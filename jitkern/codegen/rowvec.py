@@ -128,3 +128,36 @@ def row_split_axpy(typingctx, hi, lo, i, src, j, scale, n):
         builder.store(builder.shuffle_vector(out, out, ir.Constant(halves, [2 * k for k in range(size)])), lptr, align=2)
         return context.get_dummy_value()
     return types.none(hi, lo, i, src, j, scale, n), codegen
+
+
+@intrinsic
+def row_sum_squares(typingctx, x, i, n):
+    """sum(x[i, :n] ** 2) in float64 (n a compile-time constant): widened and squared as one
+    <n x double> vector, then summed pairwise, halves first (an order fixed by n)."""
+    if not (isinstance(n, types.IntegerLiteral) and _is_table(x, (types.float32,))):
+        return None
+    size = n.literal_value
+
+    def codegen(context, builder, sig, args):
+        f64 = ir.DoubleType()
+        if size == 0:  # the generic kernel's never-taken branch
+            return ir.Constant(f64, 0.0)
+        xty, ity, _ = sig.args
+        v = builder.fpext(_load_row(builder, _row_ptr(context, builder, xty, args[0], ity, args[1]), types.float32,
+                                    size), ir.VectorType(f64, size))
+        v = builder.fmul(v, v)
+        width, extra = size, []
+        while width > 1:
+            if width % 2:  # an odd tail element waits to be added last
+                extra.append(builder.extract_element(v, ir.Constant(ir.IntType(32), width - 1)))
+                width -= 1
+            half = width // 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), half), list(range(half))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), half),
+                                                          list(range(half, width))))
+            v, width = builder.fadd(lo, hi), half
+        total = builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+        for e in reversed(extra):
+            total = builder.fadd(total, e)
+        return total
+    return types.float64(x, i, n), codegen

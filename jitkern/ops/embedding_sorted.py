@@ -11,6 +11,7 @@ import numpy as np
 from numba import prange
 
 from ..codegen import jit
+from ..codegen.prefetch import prefetch_l2
 from ..codegen.rowvec import stack_f32
 from .embedding import _apply_row, _bag_end, _check_bags, _madd_row, _prefetch_row, _straddles
 
@@ -114,6 +115,7 @@ def sorted_update(DC, PF, GRAD):
             for g in range(g0, g1):
                 if not GRAD and g + PF < ngroups:  # a hint only: may touch the next part's rows
                     _prefetch_row(table, rows[group[g + PF]], D * 4, tail)
+                    prefetch_l2(state, rows[group[g + PF]], 0)
                 # the coalesced gradient of this row: its occurrences in position order
                 for k in range(group[g], group[g + 1]):
                     _madd_row(acc, 0, dout, sbag[k], sscale[k], D, DC, k == group[g])

@@ -28,6 +28,7 @@ import numpy as np
 from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory
+from ..codegen.prefetch import prefetch_l2
 from ..codegen.rowvec import stack_f32
 from .embedding import (
     _apply_row,
@@ -222,6 +223,7 @@ def _walker(DC, PF, kind, listed):
             if i + PF < m:  # rows are prefetched (the reads miss in DRAM); unlisted, a
                 r = indices[heads[i + PF]] if listed else indices[j0 + i + PF]  # repeat's row at times
                 _prefetch_row(table, r, D * 4, tail)
+                prefetch_l2(state, r, 0)  # its Adagrad state: another miss per row otherwise
             j = heads[i] if listed else j0 + i
             if listed or head[j]:
                 k = j
