@@ -41,16 +41,12 @@ from .embedding import (
     _straddles,
     _validate_bags,
 )
-from .embedding_update import _scratch
+from .embedding_update import _GOLDEN, _LO32, _MAX_NNZ, _NO_STATE, _scratch  # (_MAX_NNZ: position and bag share a word)
 
 SGD_PREFETCH = 32           # entries ahead whose rows are prefetched (16-64: within 10%)
 PARALLEL_MIN_WORK = 1 << 16  # nnz * D below which the update runs on the calling thread
 PARALLEL_MIN_TABLE = 16 << 20  # table bytes below which it does too: rows then come from the caches
 OWNER_BLOCK = 4             # log2 of the rows per ownership block: 16, whole lines of an aligned table
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_LO32 = (1 << 32) - 1
-_MAX_NNZ = (1 << 31) - 1    # an entry's position and bag share one int64 word in a part's list
-_NO_STATE = np.empty(0, np.float32)
 _NO_LO = np.empty((0, 0), np.uint16)
 _NO_SCRATCH = np.empty(0, np.int64)
 
