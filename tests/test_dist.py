@@ -163,21 +163,58 @@ def test_sharded_checkpoint_without_manifest_is_an_error(tmp_path):
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux-only")
 @pytest.mark.parametrize("goodbye", [False, True])
-def test_peer_watcher_names_the_rank_that_ends_silently(tmp_path, goodbye):
+@pytest.mark.parametrize("by", ["line", "pid"])
+def test_peer_watcher_names_the_rank_that_ends_silently(goodbye, by):
+    # "line": rank 1's life line closes as it ends; "pid": a child it forked keeps the line open,
+    # so only its pidfd tells that it ended
     from jitkern.dlrm import peer_watch
 
-    short = subprocess.Popen(["sleep", "0.3"])
-    long = subprocess.Popen(["sleep", "30"])
-    flags = tmp_path / "flags"
-    flags.write_bytes(b"\0\1" if goodbye else b"\0\0")
+    lines = [os.pipe(), os.pipe()]
+    holder = subprocess.Popen(["sleep", "30"], pass_fds=[lines[1][1]]) if by == "pid" else None
+    short = subprocess.Popen(["sleep", "0.3"], pass_fds=[lines[1][1]])
+    long = subprocess.Popen(["sleep", "30"], pass_fds=[lines[0][1]])
+    if goodbye:
+        os.write(lines[1][1], peer_watch.GOODBYE)
+    for _, w in lines:
+        os.close(w)
     try:
-        r = subprocess.run([sys.executable, "-I", peer_watch.__file__, str(flags), "2", "hostA",
-                            f"0:{long.pid}", f"1:{short.pid}"], capture_output=True, text=True, timeout=20)
+        r = subprocess.run([sys.executable, "-I", peer_watch.__file__, "2", "hostA",
+                            f"0:{long.pid}:{lines[0][0]}", f"1:{short.pid}:{lines[1][0]}"],
+                           capture_output=True, text=True, timeout=20, pass_fds=[lines[0][0], lines[1][0]])
     finally:
-        long.kill()
-        short.wait()
-        long.wait()
+        for p in (long, short, holder):
+            if p is not None:
+                p.kill()
+                p.wait()
+        for rd, _ in lines:
+            os.close(rd)
     assert r.returncode == 0, r.stderr
     said = f"jitkern: rank 1 of 2 (pid {short.pid} on hostA) died without an error"
     assert (said in r.stderr) != goodbye, r.stderr
-    assert not flags.exists()  # the watcher removes its flag file
+    assert "rank 0" not in r.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux-only")
+def test_peer_watcher_orders_ends_by_life_line_not_by_process_exit():
+    # rank 1's line closes first while its process lingers (as a large process tears down its
+    # memory after closing its files); rank 0 then ends completely: rank 1 is the one named
+    from jitkern.dlrm import peer_watch
+
+    lines = [os.pipe(), os.pipe()]
+    first = subprocess.Popen(["sleep", "30"])                               # rank 1: lingers
+    second = subprocess.Popen(["sleep", "0.5"], pass_fds=[lines[0][1]])      # rank 0: ends later, at once
+    for _, w in lines:
+        os.close(w)                                                         # rank 1's line: closed now
+    try:
+        r = subprocess.run([sys.executable, "-I", peer_watch.__file__, "2", "hostA",
+                            f"0:{second.pid}:{lines[0][0]}", f"1:{first.pid}:{lines[1][0]}"],
+                           capture_output=True, text=True, timeout=20, pass_fds=[lines[0][0], lines[1][0]])
+    finally:
+        for p in (first, second):
+            p.kill()
+            p.wait()
+        for rd, _ in lines:
+            os.close(rd)
+    assert r.returncode == 0, r.stderr
+    assert f"jitkern: rank 1 of 2 (pid {first.pid} on hostA) died without an error" in r.stderr, r.stderr
+    assert "ended together" not in r.stderr

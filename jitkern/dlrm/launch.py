@@ -71,6 +71,10 @@ def install_fault_handlers(comm) -> None:
     peers = comm.allgather((socket.gethostname(), os.getpid()))
     _FAULT_STATE.update(installed=True, rank=rank, size=size, peers=peers)
     peer_watch.start(rank, size, peers)
+    comm.Barrier()          # the lines exist before any rank opens its own
+    peer_watch.attach()
+    comm.Barrier()          # and are all open before their names go
+    peer_watch.cleanup()
 
     previous_hook = sys.excepthook
 

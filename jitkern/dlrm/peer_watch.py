@@ -4,108 +4,160 @@ A killed rank cannot report itself, the survivors are killed by mpiexec within a
 (too soon for them to say anything: measured, a watcher thread inside each rank got its line out
 in 1 run of 3), and MPICH's mpiexec then prints the pid of whichever process it noticed first,
 at times a rank it killed itself. So the lowest rank on each host starts one small watcher
-process in a session of its own (out of mpiexec's reach), holding the job's stderr. It waits on
-Linux pidfds of every rank on its host; when the first of them ends while no rank has said
-goodbye, it is reported as
+process in a session of its own (out of mpiexec's reach), holding the job's stderr. When the
+first rank on its host ends while no rank has said goodbye, it is reported as
 
     jitkern: rank R of P (pid N on HOST) died without an error (killed by a signal?)
 
-Ranks say goodbye (`disarm`) when they exit normally or have reported their own exception,
-by setting their byte in a small flag file the watcher reads. Linux only (pidfd_open, 5.3+);
-elsewhere nothing is started and rank 0's `ranks: R=pid ...` start-up line is what remains.
+How it knows which rank ended first: each rank holds the write end of a life line (a FIFO)
+whose read end the watcher polls. A dying process closes its files before it has finished
+exiting, and mpiexec can only learn of the death from those files closing (its pipes and PMI
+socket go in the same batch), so the first life line to close is the rank that died: the ranks
+mpiexec kills in response close theirs later. The end of a process as a pidfd sees it comes
+after its address space is torn down, which takes longer for a large process than for a small
+one killed later: ordering by pidfds alone named a rank mpiexec had killed (1 CI run in ~100).
+Pidfds stay as the fallback for a rank whose line a forked child keeps open.
+
+Ranks say goodbye (`disarm`) by writing a byte on their line when they exit normally or have
+reported their own exception. Linux only (pidfd_open, 5.3+); elsewhere nothing is started
+and rank 0's `ranks: R=pid ...` start-up line is what remains.
 
 Run as a script (no package import: it starts in ~20 ms), this file is the watcher:
-    python peer_watch.py FLAGS SIZE HOST R:PID...
+    python peer_watch.py SIZE HOST R:PID:FD...      (FD: the inherited read end of rank R's line)
 """
 from __future__ import annotations
 
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
 
 _STATE: dict = {}
+GOODBYE = b"\1"
 
 
-def _flag_path(peers, host) -> str:
-    """The flag file of this job on this host: named after the lowest same-host rank's pid."""
+def _line_dir(peers, host) -> str:
+    """The directory of this job's life lines on this host: named after the lowest same-host rank's pid."""
     first = min(pid for h, pid in peers if h == host)
-    return os.path.join(tempfile.gettempdir(), f"jitkern-ranks-{first}.flags")
+    return os.path.join(tempfile.gettempdir(), f"jitkern-ranks-{first}")
 
 
 def start(rank: int, size: int, peers) -> bool:
-    """Called by every rank with [(host, pid)] by rank; the lowest rank of each host starts the
-    watcher for its host. Returns whether this rank started one."""
+    """Step 1 of 3, called by every rank with [(host, pid)] by rank: the lowest rank of each host
+    makes the life lines of its host and starts the watcher. Returns whether this rank started one.
+    Then every rank, after a barrier, calls `attach`, and after a second barrier `cleanup`."""
     if _STATE or not hasattr(os, "pidfd_open"):
         return False
     host = peers[rank][0]
     local = [r for r, (h, _) in enumerate(peers) if h == host]
-    _STATE.update(rank=rank, path=_flag_path(peers, host))
+    _STATE.update(rank=rank, dir=_line_dir(peers, host), leader=local[0] == rank)
     if local[0] != rank or len(local) < 2:
         return False
+    path, reads = _STATE["dir"], []
     try:
-        with open(_STATE["path"], "wb") as f:
-            f.write(bytes(size))
-        subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), _STATE["path"], str(size), host]
-                         + [f"{r}:{peers[r][1]}" for r in local],
-                         stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        shutil.rmtree(path, ignore_errors=True)  # left by a job whose lowest rank had our pid
+        os.mkdir(path, 0o700)
+        for r in local:
+            os.mkfifo(os.path.join(path, f"r{r}"), 0o600)
+            reads.append(os.open(os.path.join(path, f"r{r}"), os.O_RDONLY | os.O_NONBLOCK))
+        subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(size), host]
+                         + [f"{r}:{peers[r][1]}:{fd}" for r, fd in zip(local, reads)],
+                         stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=reads)
     except OSError:
         return False
+    finally:
+        for fd in reads:  # the watcher holds its own copies; without it the lines cannot open
+            os.close(fd)
     return True
+
+
+def attach() -> None:
+    """Step 2: open this rank's life line for writing (the watcher holds its read end)."""
+    if "dir" not in _STATE or "fd" in _STATE:
+        return
+    try:
+        _STATE["fd"] = os.open(os.path.join(_STATE["dir"], f"r{_STATE['rank']}"), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no watcher on this host (a single local rank, no pidfds, it failed to start)
+        pass
+
+
+def cleanup() -> None:
+    """Step 3: every rank holds its line open: the names are no longer needed."""
+    if _STATE.get("leader"):
+        shutil.rmtree(_STATE["dir"], ignore_errors=True)
 
 
 def disarm() -> None:
     """This rank is ending with a word of its own (normal exit, or its exception reported)."""
-    path = _STATE.get("path")
-    if path is None:
+    fd = _STATE.get("fd")
+    if fd is None:
         return
     try:
-        fd = os.open(path, os.O_WRONLY)
-    except OSError:
-        return
-    try:
-        os.pwrite(fd, b"\1", _STATE["rank"])
-    finally:
-        os.close(fd)
+        os.write(fd, GOODBYE)
+    except OSError:  # the watcher is gone
+        pass
 
 
-def _watch(path: str, size: int, host: str, ranks: dict) -> int:
-    """Wait for the first of the ranks {rank: pid} to end; report it unless some rank has said goodbye."""
-    poller, fds = select.poll(), {}
-    ended = []
-    for r, pid in ranks.items():
+def _drain(fd: int) -> tuple[bytes, bool]:
+    """Everything readable on a line now, and whether it has closed."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return data, False
+        except OSError:
+            return data, True
+        if not chunk:
+            return data, True
+        data += chunk
+
+
+def _watch(size: int, host: str, ranks: dict) -> int:
+    """Wait for the first of the ranks {rank: (pid, line fd)} to end; report it unless some rank said goodbye."""
+    poller, owner, ended = select.poll(), {}, []
+    for r, (pid, line) in ranks.items():
+        os.set_blocking(line, False)
+        owner[line] = (r, "line")
+        poller.register(line, select.POLLIN)
         try:
             fd = os.pidfd_open(pid)
         except OSError:     # gone before we looked: it just ended
             ended.append(r)
             continue
-        fds[fd] = r
+        owner[fd] = (r, "pid")
         poller.register(fd, select.POLLIN)
-    try:
-        if not ended:
-            ended = sorted(fds[fd] for fd, _ in poller.poll())
-        try:
-            with open(path, "rb") as f:
-                flags = f.read()
-        except OSError:
-            flags = b""
-        # a goodbye anywhere (a normal end under way, an exception reported, mpiexec killing the
-        # rest after an abort) explains what follows: only a death in silence is reported
-        if not any(flags):
-            r = ended[0]
-            also = f" (ranks {', '.join(map(str, ended))} ended together)" if len(ended) > 1 else ""
-            sys.stderr.write(f"jitkern: rank {r} of {size} (pid {ranks[r]} on {host}) died without an error "
-                             f"(killed by a signal?){also}\n")
-            sys.stderr.flush()
-    finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    goodbye = False
+    while not ended and not goodbye:
+        for fd, _ in poller.poll():
+            r, kind = owner[fd]
+            if kind == "pid":
+                ended.append(r)
+                continue
+            data, closed = _drain(fd)
+            goodbye |= GOODBYE in data
+            if closed:
+                ended.append(r)
+                poller.unregister(fd)  # a closed FIFO stays readable
+    # a goodbye anywhere (a normal end under way, an exception reported, mpiexec killing the
+    # rest after an abort) explains what follows: only a death in silence is reported
+    goodbye |= any(GOODBYE in _drain(line)[0] for _, line in ranks.values())
+    if not goodbye:
+        ended = sorted(set(ended))
+        r = ended[0]
+        also = f" (ranks {', '.join(map(str, ended))} ended together)" if len(ended) > 1 else ""
+        sys.stderr.write(f"jitkern: rank {r} of {size} (pid {ranks[r][0]} on {host}) died without an error "
+                         f"(killed by a signal?){also}\n")
+        sys.stderr.flush()
     return 0
 
 
 if __name__ == "__main__":
-    _path, _size, _host = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    sys.exit(_watch(_path, _size, _host, {int(r): int(p) for r, p in (a.split(":") for a in sys.argv[4:])}))
+    _size, _host = int(sys.argv[1]), sys.argv[2]
+    _ranks = {}
+    for _arg in sys.argv[3:]:
+        _r, _pid, _fd = map(int, _arg.split(":"))
+        _ranks[_r] = (_pid, _fd)
+    sys.exit(_watch(_size, _host, _ranks))
