@@ -202,7 +202,7 @@ def test_peer_watcher_orders_ends_by_life_line_not_by_process_exit():
 
     lines = [os.pipe(), os.pipe()]
     first = subprocess.Popen(["sleep", "30"])                               # rank 1: lingers
-    second = subprocess.Popen(["sleep", "0.5"], pass_fds=[lines[0][1]])      # rank 0: ends later, at once
+    second = subprocess.Popen(["sleep", "5"], pass_fds=[lines[0][1]])        # rank 0: ends later, at once
     for _, w in lines:
         os.close(w)                                                         # rank 1's line: closed now
     try:
