@@ -8,7 +8,7 @@ import sys
 COMMANDS = {
     "train": ("jitkern.dlrm.cli", "main", "train DLRM (same flags as examples/dlrm_numba.py)"),
     "bench": ("jitkern.bench", "main", "benchmarks: gemm, embedding, interaction, dlrm, dist"),
-    "tune": ("jitkern.codegen.tune", "main", "tune block sizes for this CPU, store them in the tuning DB"),
+    "tune": ("jitkern.tuning", "main", "tune every per-CPU knob for this CPU, store the choices in the tuning DB"),
     "info": ("jitkern.info", "main", "target CPU key, threading layer, cache dir, tuned entries"),
     "preprocess": ("jitkern.dlrm.data", "main", "Criteo raw logs -> memory-mapped binary"),
     "scale": ("jitkern.dlrm.scale", "main", "predict multi-rank step time and efficiency"),

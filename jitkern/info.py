@@ -9,12 +9,13 @@ def describe() -> list[tuple[str, str]]:
     import numba
 
     from . import __version__
-    from .codegen import host_target
+    from . import ops  # noqa: F401  (declares the knobs)
+    from .codegen import knobs, target
     from .codegen.simd import tile_for
-    from .codegen.tune import db_key, entries
+    from .codegen.tunedb import db_key, entries
     from .config import get_config
 
-    cfg, t = get_config(), host_target()
+    cfg, t = get_config(), target.host_target()
     mr, nr, vw = tile_for(t.isa)
     try:
         layer = numba.threading_layer()
@@ -26,7 +27,11 @@ def describe() -> list[tuple[str, str]]:
         ("target key", t.key),
         ("cpu", f"{t.name} ({t.arch})"),
         ("isa", f"{t.isa} (detected {t.detected_isa}), {vw} floats/vector, GEMM tile {mr}x{nr}"),
-        ("caches", f"L1d {t.l1d >> 10} KiB, L2 {t.l2 >> 10} KiB, L3 {t.l3 >> 20} MiB"),
+        ("numba compiles for", target.numba_cpu_name()),
+        ("bf16 dot product", "yes (avx512bf16: vdpbf16ps)" if t.has("avx512bf16") else
+         "no: bf16 is widened to fp32 (bf16 saves memory and bandwidth here, not FLOPs)"),
+        ("caches", f"L1d {t.l1d >> 10} KiB, L2 {t.l2 >> 10} KiB, L3 {t.l3 >> 20} MiB"
+         + (" (JITKERN_CACHE_SIZES)" if t.cache_override else "")),
         ("threading layer", layer),
         ("threads", f"{numba.get_num_threads()} of {t.cores} cpus"),
         ("numba cache dir", numba.config.CACHE_DIR or "(next to the sources, __pycache__)"),
@@ -38,10 +43,11 @@ def describe() -> list[tuple[str, str]]:
     ]
     tuned = entries()
     count = sum(len(v) for v in tuned.values())
-    lines.append(("tuned entries", str(count) if count else "none (heuristic block sizes)"))
-    for op in sorted(tuned):
-        for cls, params in sorted(tuned[op].items()):
-            lines.append((f"  {op}", f"{cls}: {params}"))
+    lines.append(("knobs declared", str(len(knobs.registered()))))
+    lines.append(("tuned entries", str(count) if count else "none (heuristic choices)"))
+    for name in sorted(tuned):
+        for cls, params in sorted(tuned[name].items()):
+            lines.append((f"  {name}", f"{cls}: {params}"))
     return lines
 
 

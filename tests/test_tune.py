@@ -1,16 +1,19 @@
-"""Tuning DB (keying, atomic store, corrupt/stale handling), heuristics, and `jitkern info`."""
+"""Per-CPU knobs and the tuning DB (keying, atomic store, corrupt/stale handling), the GEMM
+blocking heuristic under other CPUs' caches, the tuner, and `jitkern info`."""
 import importlib
 import json
 
 import numpy as np
 import pytest
 
-from jitkern import info
-from jitkern.codegen import host_target, tune
+from jitkern import info, tuning
+from jitkern.codegen import host_target, knobs, tune, tunedb
+from jitkern.config import CACHE_PRESETS, parse_cache_sizes
 from jitkern.ops import linear_backward, linear_forward
 from jitkern.ops import reference as ref
 
 G = importlib.import_module("jitkern.ops.gemm")
+CACHES = [None, *sorted(CACHE_PRESETS)]  # the host's, then the CPUs we stand in for
 
 
 @pytest.fixture
@@ -18,66 +21,118 @@ def db(tmp_path, monkeypatch):
     path = tmp_path / "tune.json"
     monkeypatch.setenv("JITKERN_TUNE_DB", str(path))
     monkeypatch.delenv("JITKERN_NO_TUNE", raising=False)
-    G.clear_block_cache()
     yield path
-    G.clear_block_cache()
 
 
-def test_shape_class_buckets_to_powers_of_two():
-    assert tune.shape_class(2048, 1000, 13) == "2048x1024x16"
-    assert tune.shape_class(1, 2, 3) == "1x2x4"
-    assert tune.shape_class(1025) == tune.shape_class(2048)
+@pytest.fixture(params=CACHES, ids=lambda c: c or "host")
+def caches(request, monkeypatch):
+    """Run under the host's caches and each preset CPU's (JITKERN_CACHE_SIZES)."""
+    if request.param:
+        monkeypatch.setenv("JITKERN_CACHE_SIZES", request.param)
+    else:
+        monkeypatch.delenv("JITKERN_CACHE_SIZES", raising=False)
+    return host_target()
+
+
+def test_pow2_class_buckets():
+    assert knobs.pow2_class(2048, 1000, 13) == "2048x1024x16"
+    assert knobs.pow2_class(1, 2, 3) == "1x2x4"
+    assert knobs.pow2_class(1025) == knobs.pow2_class(2048)
 
 
 def test_store_and_lookup_round_trip(db):
-    assert tune.lookup("op", "8x8x8") is None and not db.exists()
-    tune.store("op", "8x8x8", {"mc": 16, "kc": 32})
-    tune.store("op", "16x8x8", {"mc": 24, "kc": 64})
-    assert tune.lookup("op", "8x8x8") == {"mc": 16, "kc": 32}
+    assert tunedb.lookup("k", "8x8x8") is None and not db.exists()
+    tunedb.store("k", "8x8x8", {"mc": 16, "kc": 32})
+    tunedb.store("k", "16x8x8", {"mc": 24, "kc": 64})
+    assert tunedb.lookup("k", "8x8x8") == {"mc": 16, "kc": 32}
     saved = json.loads(db.read_text())
-    assert saved["targets"][tune.db_key()]["op"]["16x8x8"] == {"mc": 24, "kc": 64}
-    assert host_target().key in tune.db_key() and "numba-" in tune.db_key()
+    assert saved["format"] == tunedb.FORMAT
+    assert saved["targets"][tunedb.db_key()]["k"]["16x8x8"] == {"mc": 24, "kc": 64}
+    assert host_target().key in tunedb.db_key() and "numba-" in tunedb.db_key()
     assert not list(db.parent.glob(".tune-*"))  # the temporary file was renamed into place
 
 
 def test_corrupt_db_warns_and_is_ignored(db):
     db.write_text("{not json")
     with pytest.warns(RuntimeWarning, match="ignoring unreadable tuning DB"):
-        assert tune.lookup("op", "8x8x8") is None
-    tune.store("op", "8x8x8", {"mc": 8, "kc": 8})  # a store replaces the corrupt file
-    assert tune.lookup("op", "8x8x8") == {"mc": 8, "kc": 8}
+        assert tunedb.lookup("k", "8x8x8") is None
+    tunedb.store("k", "8x8x8", {"mc": 8, "kc": 8})  # a store replaces the corrupt file
+    assert tunedb.lookup("k", "8x8x8") == {"mc": 8, "kc": 8}
 
 
-def test_stale_entries_and_no_tune_are_ignored(db, monkeypatch):
-    db.write_text(json.dumps({"format": tune.FORMAT, "targets": {
-        "other-cpu|jitkern-0.0|numba-0.0": {"op": {"8x8x8": {"mc": 8, "kc": 8}}}}}))
-    assert tune.lookup("op", "8x8x8") is None
-    tune.store("op", "8x8x8", {"mc": 16, "kc": 16})
+def test_stale_old_format_and_no_tune_are_ignored(db, monkeypatch):
+    db.write_text(json.dumps({"format": tunedb.FORMAT, "targets": {
+        "other-cpu|jitkern-0.0|numba-0.0": {"k": {"8x8x8": {"mc": 8, "kc": 8}}}}}))
+    assert tunedb.lookup("k", "8x8x8") is None
+    db.write_text(json.dumps({"format": 1, "targets": {tunedb.db_key(): {"k": {"8x8x8": {"mc": 8}}}}}))
+    assert tunedb.lookup("k", "8x8x8") is None
+    tunedb.store("k", "8x8x8", {"mc": 16, "kc": 16})
     monkeypatch.setenv("JITKERN_NO_TUNE", "1")
-    assert tune.lookup("op", "8x8x8") is None
+    assert tunedb.lookup("k", "8x8x8") is None
 
 
-def test_heuristic_and_thread_shaping():
+def test_cache_override_parses_and_keys_entries_apart(monkeypatch):
+    assert parse_cache_sizes("zen3") == CACHE_PRESETS["zen3"]
+    assert parse_cache_sizes("l2=512K, l3=32M") == (None, 512 << 10, 32 << 20)
+    for bad in ("l4=1M", "l2=lots", "haswell"):
+        with pytest.raises(ValueError, match="JITKERN_CACHE_SIZES"):
+            parse_cache_sizes(bad)
+    host = host_target()
+    host_key = host.key
+    monkeypatch.setenv("JITKERN_CACHE_SIZES", "l2=512K")
+    t = host_target()
+    assert t.l2 == 512 << 10 and t.l1d == host.l1d and t.cache_override and t.key != host_key
+    monkeypatch.delenv("JITKERN_CACHE_SIZES")
+    if host.detected_isa == "avx512":
+        assert host.has("avx512f")
+        monkeypatch.setenv("JITKERN_ISA", "avx2")
+        assert host_target().key != host_key and "isa=avx2" in host_target().key
+        assert not host_target().has("avx512f") and host_target().has("fma")
+
+
+def test_heuristic_and_thread_shaping(caches):
+    """Blocks fit the (stand-in) caches, and threads get even work: split by rows where there are
+    enough row blocks, by columns too where there are not (the expectation follows the model)."""
+    t = caches
     mr, nr, _ = G.tile_shape()
-    h = tune.heuristic_gemm_blocks(2048, 1024, 1000, mr, nr)
+    h = G.heuristic_blocks("linear_forward", 2048, 1024, 1000)
     assert h["mc"] % mr == 0 and h["kc"] % 4 == 0 and 64 <= h["kc"] <= 512
+    assert h["mc"] * h["kc"] * 4 <= max(t.l2 // 8, mr * h["kc"] * 4)  # the A block in an eighth of L2
     for threads in (1, 2, 3):
-        mc, kc, nc = tune.gemm_blocks("x", 2048, 1024, 1000, mr, nr, threads)
+        mc, kc, nc = G.shape_blocks(h, 2048, 1024, 1000, threads)
         nib, njb = -(-2048 // mc), -(-1024 // nc)
         assert mc % mr == 0 and nc % nr == 0 and kc >= 1
         assert (nib * njb) % threads == 0 or nib * njb >= 4 * threads
-    mc, kc, nc = tune.gemm_blocks("x", 64, 512, 2048, mr, nr, 2)  # one row block: columns get split
-    assert -(-512 // nc) >= 2 and kc < 2048
+    m, n, k = 64, 512, 2048
+    h = G.heuristic_blocks("linear_forward", m, n, k)
+    mc, kc, nc = G.shape_blocks(h, m, n, k, 2)
+    nib, njb = -(-m // mc), -(-n // nc)
+    assert kc < k and nib * njb >= 2 and (nib * njb) % 2 == 0
+    if -(-m // G._round_to(h["mc"], mr)) < 4:   # fewer row blocks than 2 per thread: columns split
+        assert njb >= 2
+
+
+def test_choice_follows_db_and_environment(db, monkeypatch):
+    kn = G.BLOCKS["linear_forward"]
+    p = (300, 200, 100, 1)
+    heur = kn.choose(p)
+    assert heur == G.heuristic_blocks("linear_forward", *p)
+    tunedb.store(kn.name, kn.shape_class(p), {"mc": 12, "kc": 40})
+    assert kn.choose(p) == {"mc": 12, "kc": 40}  # a store in this process is seen at once
+    monkeypatch.setenv("JITKERN_NO_TUNE", "1")
+    assert kn.choose(p) == heur
+    monkeypatch.setenv("JITKERN_CACHE_SIZES", "skylake")
+    assert kn.choose(p) == G.heuristic_blocks("linear_forward", *p)
 
 
 def test_tuned_small_blocks_drive_multi_pass_gemm(db):
     """Tiny tuned blocks force many row blocks and K passes through the same kernel."""
     mr, nr, _ = G.tile_shape()
     n, k, m = 50, 70, 37
-    tune.store("linear_forward", tune.shape_class(n, m, k), {"mc": mr, "kc": 8})
-    tune.store("linear_dw", tune.shape_class(m, k, n), {"mc": mr, "kc": 12})
-    G.clear_block_cache()
-    assert G._blocks("linear_forward", n, m, k, G._isa(""), 1)[:2] == (mr, 8)
+    fwd, dw = G.BLOCKS["linear_forward"], G.BLOCKS[G.dw_variant(m, k, mr, nr)]
+    tunedb.store(fwd.name, fwd.shape_class((n, m, k, 1)), {"mc": mr, "kc": 8})
+    tunedb.store(dw.name, dw.shape_class((m, k, n, 1)), {"mc": mr, "kc": 12})
+    assert G.blocks_for("linear_forward", n, m, k, 1)[:2] == (mr, 8)
     rng = np.random.default_rng(0)
     x, w, b = (rng.standard_normal(s, dtype=np.float32) for s in ((n, k), (m, k), (m,)))
     y = linear_forward(x, w, b, activation="relu")
@@ -89,12 +144,19 @@ def test_tuned_small_blocks_drive_multi_pass_gemm(db):
 
 
 def test_tuner_stores_entries_and_info_lists_them(db, capsys):
-    best = tune.tune_gemm(layers=((9, 20),), batch=16, quick=True, out=lambda *_: None, min_time=0.0)
-    assert {op for op, _ in best} == {"linear_forward", "linear_dx", "linear_dw"}
-    assert tune.entries()["linear_dx"]  # stored under this CPU's key
+    work = knobs.Workload(linears=((16, 9, 20),))
+    results = tune.tune(work, quick=True, select="gemm.*", out=None, min_time=0.0)
+    names = {r.knob for r in results}
+    assert {"gemm.blocks.linear_forward", "gemm.blocks.linear_dx"} <= names
+    assert names & {"gemm.blocks.linear_dw", "gemm.blocks.linear_dwt"}
+    assert all(r.best_s <= r.heuristic_s for r in results)
+    assert tunedb.entries()["gemm.blocks.linear_dx"]  # stored under this CPU's key
+    # tuned once: a second pass with only_missing times nothing
+    assert tune.tune(work, quick=True, select="gemm.*", only_missing=True, out=None, min_time=0.0) == []
     assert info.main([]) == 0
     text = capsys.readouterr().out
-    assert host_target().key in text and str(db) in text and "linear_dw" in text
-    assert tune.main(["--quick", "--only", "7->5", "--batch", "8"]) == 0
+    assert host_target().key in text and str(db) in text and "gemm.blocks.linear_dx" in text
+    assert tuning.main(["--quick", "--only", "7->5", "--batch", "8", "--knob", "gemm.*"]) == 0
+    assert tuning.main(["--list"]) == 0 and "gemm.blocks.linear_forward" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        tune.main(["bad"])
+        tuning.main(["bad"])

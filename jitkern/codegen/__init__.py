@@ -1,6 +1,9 @@
-"""Code generation core: host target, kernel specs, spec -> kernel builder, SIMD, tuning."""
-from .build import get_kernel, jit, kernel_factory
-from .spec import KernelSpec
-from .target import Target, host_target
+"""Code generation core: host target, kernel specs, spec -> kernel builder, SIMD, per-CPU knobs."""
+from .target import Target, host_target, pin_numba_cpu
+
+pin_numba_cpu()  # before the first njit decoration below: numba's loops follow JITKERN_ISA
+
+from .build import get_kernel, jit, kernel_factory  # noqa: E402
+from .spec import KernelSpec  # noqa: E402
 
 __all__ = ["KernelSpec", "Target", "get_kernel", "host_target", "jit", "kernel_factory"]

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from typing import Callable
 
 import numba
 
-from ..config import get_config
+from ..config import debug_level, get_config
 from . import cache
 from .spec import KernelSpec
 
@@ -98,7 +97,7 @@ def _build(spec: KernelSpec):
 
 def get_kernel(spec: KernelSpec):
     """The compiled kernel for `spec` (memoised; compiled lazily at first call)."""
-    if os.environ.get("JITKERN_DEBUG", "0") in ("", "0"):  # the hot path: one env lookup
+    if not debug_level():  # the hot path: one environment lookup
         return _build(spec)
     setup_logging()
     before = _build.cache_info().hits

@@ -1,17 +1,26 @@
-"""The host CPU as code generation sees it: name, ISA features, cache sizes, threads."""
+"""The CPU code generation targets: name, ISA features, cache sizes, threads.
+
+`host_target()` is the detected host with the JITKERN_ISA / JITKERN_CACHE_SIZES overrides applied,
+so one process can stand in for another CPU: JITKERN_ISA=avx2 with JITKERN_CACHE_SIZES=zen3 on a
+Zen 4 host generates AVX2 code and sizes blocks for a Zen 3's caches. `pin_numba_cpu()` makes
+numba's own loops follow a lowered ISA too (it must run before numba builds its first function).
+"""
 from __future__ import annotations
 
 import functools
 import hashlib
 import os
 import platform
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..config import get_config
 
 # floats per SIMD register for each ISA we emit vector code for
 VECTOR_WIDTH = {"avx512": 16, "avx2": 8, "neon": 4, "scalar": 1}
+# LLVM features that belong to each lowered ISA's absence: masked out when JITKERN_ISA lowers it
+_AVX512_PREFIX = "avx512"
 
 
 @dataclass(frozen=True)
@@ -23,6 +32,7 @@ class Target:
     l2: int                   # bytes, per core
     l3: int                   # bytes, shared
     cores: int                # CPUs this process may run on
+    cache_override: bool = False  # caches from JITKERN_CACHE_SIZES, not the host's
 
     @property
     def detected_isa(self) -> str:
@@ -38,18 +48,20 @@ class Target:
     @property
     def isa(self) -> str:
         """The ISA generated code targets: detected, or JITKERN_ISA if it forces a lower one."""
-        forced = get_config().isa
-        if forced == "auto":
-            return self.detected_isa
-        if forced != "scalar" and forced != self.detected_isa and not (
-            forced == "avx2" and self.detected_isa == "avx512"
-        ):
-            raise ValueError(f"JITKERN_ISA={forced} is not supported by this CPU ({self.detected_isa})")
-        return forced
+        return effective_isa(get_config().isa, self.detected_isa)
 
     @property
     def vector_width(self) -> int:
         return VECTOR_WIDTH[self.isa]
+
+    def has(self, feature: str) -> bool:
+        """Whether generated code may use `feature` (e.g. "avx512bf16") under the current ISA."""
+        isa = self.isa
+        if isa == "scalar" and feature not in ("neon",):
+            return False
+        if isa != "avx512" and feature.startswith(_AVX512_PREFIX):
+            return False
+        return feature in self.features
 
     @property
     def feature_hash(self) -> str:
@@ -57,8 +69,22 @@ class Target:
 
     @property
     def key(self) -> str:
-        """Stable identity of this CPU for tuning entries: name + feature hash."""
-        return f"{self.arch}-{self.name}-{self.feature_hash}"
+        """Stable identity of this target for tuning entries: CPU name + feature hash, and the
+        forced ISA and stand-in caches when set (an emulated CPU's entries never serve the host)."""
+        key = f"{self.arch}-{self.name}-{self.feature_hash}"
+        if self.isa != self.detected_isa:
+            key += f"-isa={self.isa}"
+        if self.cache_override:
+            key += f"-caches={self.l1d >> 10}K,{self.l2 >> 10}K,{self.l3 >> 10}K"
+        return key
+
+
+def effective_isa(forced: str, detected: str) -> str:
+    if forced == "auto":
+        return detected
+    if forced != "scalar" and forced != detected and not (forced == "avx2" and detected == "avx512"):
+        raise ValueError(f"JITKERN_ISA={forced} is not supported by this CPU ({detected})")
+    return forced
 
 
 def _read_cache_sizes() -> tuple[int, int, int]:
@@ -90,8 +116,8 @@ def _cpu_count() -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def host_target() -> Target:
-    """Detect the host once per process (CPU features do not change under us)."""
+def detected_target() -> Target:
+    """The host as detected, without overrides (once per process: CPU features do not change)."""
     import llvmlite.binding as llvm
 
     name = llvm.get_host_cpu_name() or "generic"
@@ -103,3 +129,70 @@ def host_target() -> Target:
     l1d, l2, l3 = _read_cache_sizes()
     return Target(name=name, arch=platform.machine().lower(), features=feats,
                   l1d=l1d, l2=l2, l3=l3, cores=_cpu_count())
+
+
+@functools.lru_cache(maxsize=16)
+def _with_caches(base: Target, sizes) -> Target:
+    if sizes is None:
+        return base
+    l1d, l2, l3 = (s if s is not None else h for s, h in zip(sizes, (base.l1d, base.l2, base.l3)))
+    return replace(base, l1d=l1d, l2=l2, l3=l3, cache_override=True)
+
+
+def host_target() -> Target:
+    """The target code is generated for: the detected host with JITKERN_CACHE_SIZES applied
+    (JITKERN_ISA acts through Target.isa)."""
+    return _with_caches(detected_target(), get_config().cache_sizes)
+
+
+# --------------------------------------------------------------------------- numba's own loops
+
+_PINNED: dict = {}
+
+
+def numba_cpu_for(isa: str, host: Target) -> str | None:
+    """The LLVM CPU name numba should compile for when JITKERN_ISA lowers the ISA (None: the host)."""
+    if isa == host.detected_isa:
+        return None
+    if isa == "avx2":  # the AVX2 member of the host's family: its scheduling model, no AVX-512
+        return "znver3" if host.name.startswith("znver") else "haswell"
+    if isa == "scalar":
+        return "generic"
+    return None
+
+
+def pin_numba_cpu() -> str | None:
+    """Make numba compile for the CPU that JITKERN_ISA names (e.g. znver3 on a Zen 4 under
+    JITKERN_ISA=avx2), so that its own loops are as AVX2-only as jitkern's IR. Effective only
+    before numba creates its CPU target (the first njit decoration in the process): called when
+    jitkern.codegen is imported. Returns the CPU name pinned, or None for the host."""
+    if "cpu" in _PINNED:
+        return _PINNED["cpu"]
+    import numba
+    from numba.core.registry import cpu_target
+
+    host = detected_target()
+    try:
+        isa = effective_isa(get_config().isa, host.detected_isa)
+    except ValueError:
+        isa = host.detected_isa  # reported by Target.isa where it matters
+    cpu = numba_cpu_for(isa, host)
+    _PINNED["cpu"] = cpu
+    if cpu is None or numba.config.CPU_NAME is not None:  # the host, or the user pinned numba already
+        return numba.config.CPU_NAME
+    if "_toplevel_target_context" in cpu_target.__dict__:
+        warnings.warn(f"JITKERN_ISA={isa}: numba compiled code before jitkern was imported, so its own loops "
+                      "keep the host's ISA (import jitkern first for a faithful emulation)", RuntimeWarning,
+                      stacklevel=2)
+        _PINNED["cpu"] = None
+        return None
+    numba.config.CPU_NAME = cpu
+    numba.config.CPU_FEATURES = ""  # the CPU name's own feature set, not the host's
+    return cpu
+
+
+def numba_cpu_name() -> str:
+    """The CPU numba compiles its loops for in this process."""
+    import llvmlite.binding as llvm
+    import numba
+    return numba.config.CPU_NAME or llvm.get_host_cpu_name()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 
 import numba
@@ -23,7 +22,9 @@ from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
 from ..codegen.simd import SOURCE_TAG, fma_tile, tile_code, tile_for
-from ..codegen.tune import gemm_blocks, heuristic_gemm_blocks, lookup, shape_class
+from ..codegen import tunedb
+from ..codegen.knobs import knob, pow2_class
+from ..config import choice_token
 
 log = logging.getLogger("jitkern")
 
@@ -260,14 +261,9 @@ def _gemm_factory(spec: KernelSpec):
     return gemm_kernel
 
 
-@functools.lru_cache(maxsize=None)
-def _isa(forced: str) -> str:
-    return host_target().isa  # reads JITKERN_ISA, which is this cache's key
-
-
 def tile_shape(isa: str | None = None) -> tuple[int, int, int]:
     """(MR, NR, vector width) the GEMM uses on `isa` (default: the current target ISA)."""
-    return tile_for(isa or _isa(os.environ.get("JITKERN_ISA", "")))
+    return tile_for(isa or host_target().isa)
 
 
 @functools.lru_cache(maxsize=None)
@@ -276,20 +272,113 @@ def _kernel(isa: str):
     return get_kernel(KernelSpec.make("gemm", mr=mr, nr=nr, vw=vw))
 
 
-@functools.lru_cache(maxsize=1024)
-def _blocks(op: str, m: int, n: int, k: int, isa: str, threads: int) -> tuple[int, int, int]:
-    mr, nr, _ = tile_for(isa)
-    params = lookup(op, shape_class(m, n, k))
-    if params is None and op in ("linear_dw", "linear_dwt") and n >= 512:
+# --------------------------------------------------------------------------- blocking knobs
+
+VARIANTS = ("gemm", "linear_forward", "linear_dx", "linear_dw", "linear_dwt", "batch_reduce_gemm")
+
+
+def _round_to(x: int, m: int) -> int:
+    return max(m, (x + m - 1) // m * m)
+
+
+def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> dict:
+    """(mc, kc) from the target's caches and register tile. kc: a kc x NR B micro-panel of about
+    twice L1 -- the tile kernel streams it in order, so the prefetcher keeps up, and long K
+    loops amortise the C tile's load/store. mc: the mc x kc A block in an eighth of L2, leaving
+    room for B panels. kc is then split evenly over K."""
+    t = host_target()
+    mr, nr, _ = tile_for(t.isa)
+    kc0 = min(512, max(128, (2 * t.l1d) // (nr * 4) // 16 * 16))
+    passes = max(1, -(-k // kc0))
+    kc = _round_to(-(-k // passes), 4)
+    mc = max(mr, min(288, (t.l2 // 8) // (kc * 4) // mr * mr))
+    if variant in ("linear_dw", "linear_dwt") and n >= 512:
         # transposed A is packed from mc-float runs of its rows: longer runs stream better once
-        # the A block is reused over many B panels (measured +5-15% at n >= 512, a loss below)
-        params = dict(heuristic_gemm_blocks(m, n, k, mr, nr), mc=384)
-    return gemm_blocks(op, m, n, k, mr, nr, threads, params)
+        # the A block is reused over many B panels
+        mc = _round_to(384, mr)
+    return {"mc": mc, "kc": kc}
 
 
-def clear_block_cache() -> None:
-    """Forget memoised block choices (after the tuning DB changed)."""
-    _blocks.cache_clear()
+def shape_blocks(params: dict, m: int, n: int, k: int, threads: int, isa: str | None = None) -> tuple[int, int, int]:
+    """(mc, kc, nc) for a C (m x n) += A (m x k) B (k x n) GEMM from chosen (mc, kc): mc and nc are
+    shaped so that `threads` threads get even work."""
+    mr, nr, _ = tile_shape(isa)
+    mc, kc = _round_to(int(params["mc"]), mr), max(1, int(params["kc"]))
+    if k <= kc * 5 // 4:  # one pass over K beats a full pass plus a sliver
+        kc = max(k, 1)
+    nib = -(-m // mc)
+    if threads > 1:
+        nib = _round_to(nib, threads) if nib >= threads else nib
+        mc = _round_to(-(-m // nib), mr)
+        nib = -(-m // mc)
+    nc = _round_to(n, nr)
+    if nib < 2 * threads and threads > 1:  # too few row blocks: split the columns too
+        njb = -(-2 * threads // nib)
+        nc = _round_to(-(-n // njb), nr)
+    return mc, kc, nc
+
+
+def _problems(variant):
+    """The (m, n, k, threads) GEMMs of `variant` that a workload's linear layers run."""
+    def problems(w):
+        mr, nr, _ = tile_shape()
+        for batch, kin, kout in w.linears:
+            for threads in w.threads:
+                if variant == "linear_forward":
+                    yield batch, kout, kin, threads
+                elif variant == "linear_dx":
+                    yield batch, kin, kout, threads
+                elif variant == dw_variant(kout, kin, mr, nr):
+                    yield (kout, kin, batch, threads) if variant == "linear_dw" else (kin, kout, batch, threads)
+    return problems
+
+
+def _candidates(problem, quick):
+    mr, _, _ = tile_shape()
+    kcs = (128, 256, 512) if quick else (96, 128, 192, 256, 384, 512)
+    mcs = (mr * 6, mr * 12, mr * 24) if quick else (mr * 4, mr * 6, mr * 9, mr * 12, mr * 18, mr * 24, mr * 48)
+    return [{"mc": mc, "kc": kc} for kc in kcs for mc in mcs]
+
+
+def _runner(variant):
+    def runner(problem, params):
+        m, n, k, threads = problem
+        ta, tb = variant in ("linear_dw", "linear_dwt"), variant == "linear_forward"
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32)
+        b = rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)
+        c = np.empty((m, n), np.float32)
+        blocks = shape_blocks(params, m, n, k, threads)
+        return lambda: _gemm_into(a, b, c, ta, tb, blocks=blocks)
+    return runner
+
+
+BLOCKS = {v: knob(f"gemm.blocks.{v}", doc=f"(mc, kc) cache blocks of {v}",
+                  heuristic=lambda p, v=v: heuristic_blocks(v, *p),
+                  shape_class=lambda p: f"{pow2_class(*p[:3])}t{p[3]}",
+                  problems=_problems(v), candidates=_candidates, runner=_runner(v))
+          for v in VARIANTS}
+
+
+def blocks_for(variant: str, m: int, n: int, k: int, threads: int) -> tuple[int, int, int]:
+    """(mc, kc, nc) for one call: the knob's choice (tuned or heuristic), shaped for the threads."""
+    key = (variant, m, n, k, threads, choice_token(), tunedb.generation())
+    got = _SHAPED.get(key)
+    if got is None:
+        if len(_SHAPED) > 4096:
+            _SHAPED.clear()
+        got = _SHAPED[key] = shape_blocks(BLOCKS[variant].choose((m, n, k, threads)), m, n, k, threads)
+    return got
+
+
+_SHAPED: dict = {}
+
+
+def dw_variant(m: int, k: int, mr: int, nr: int) -> str:
+    """linear_backward's weight gradient (m out, k in): dw = g.T @ x ("linear_dw"), or
+    dw.T = x.T @ g ("linear_dwt") when that fills the register tiles better (13 -> 512: 0.81 vs
+    0.41 of the lanes); at equal use dw is the faster of the two."""
+    return "linear_dwt" if _lane_use(k, m, mr, nr) > 1.02 * _lane_use(m, k, mr, nr) else "linear_dw"
 
 
 _SCRATCH = threading.local()
@@ -326,11 +415,8 @@ def _gemm_into(a, b, c, ta, tb, *, alpha=1.0, beta=0.0, bias=None, relu=False, y
         if db is not None:
             db[:] = 0.0
         return c
-    isa = _isa(os.environ.get("JITKERN_ISA", ""))
-    if blocks is None:
-        mc, kc, nc = _blocks(op, m, n, k, isa, numba.get_num_threads())
-    else:  # the tuner's candidates
-        mc, kc, nc = gemm_blocks(op, m, n, k, *tile_for(isa)[:2], numba.get_num_threads(), blocks)
+    isa = host_target().isa
+    mc, kc, nc = blocks_for(op, m, n, k, numba.get_num_threads()) if blocks is None else blocks
     mr, nr, _ = tile_for(isa)
     need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * mr * max(kc, 1)
     ws = _workspace(need)
@@ -457,9 +543,7 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True):
         db[:] = 0.0
     dx = _gemm_into(g, w, np.empty((n, k), np.float32), False, False, op="linear_dx") if need_dx else None
     mr, nr, _ = tile_shape()
-    # dw.T = x.T @ g when it fills the tiles better (13 -> 512: 0.81 vs 0.41 of the lanes; measured
-    # 2.2x faster; 100 -> 1024 and 367 -> 512 ~10%); at equal use dw is the faster of the two
-    if _lane_use(k, m, mr, nr) > 1.02 * _lane_use(m, k, mr, nr):
+    if dw_variant(m, k, mr, nr) == "linear_dwt":
         dw = np.ascontiguousarray(_gemm_into(x, g, np.empty((k, m), np.float32), True, False, op="linear_dwt").T)
     else:
         dw = _gemm_into(g, x, np.empty((m, k), np.float32), True, False, op="linear_dw")

@@ -1,0 +1,105 @@
+"""Argument checks shared by every public op: each error names the argument and what was wrong.
+
+The wrappers call these before any kernel runs, so a bad call changes nothing. Scalars are
+checked in the dtype the kernel applies them in (an lr of 1e39 is finite as a Python float but
+infinite as float32).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+F32 = np.dtype(np.float32)
+I32, I64 = np.dtype(np.int32), np.dtype(np.int64)
+
+
+def _dtype_name(x) -> str:
+    return str(getattr(x, "dtype", type(x).__name__))
+
+
+def float_array(name, x, *, ndim=None, shape=None, copy=True, writeable=False, dtype=F32):
+    """x as an aligned C-contiguous array of `dtype` (float32 by default).
+
+    ndim / shape: required rank / exact shape. A non-contiguous x is copied when `copy`, else an
+    error (for arrays an op writes in place). `writeable`: x is an output or updated in place.
+    """
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray of {np.dtype(dtype)}, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype)}, got {x.dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {x.shape}")
+    if shape is not None and x.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {x.shape}")
+    f = x.flags  # one flags object: these checks run per call per table
+    if writeable and not f.writeable:
+        raise ValueError(f"{name} must be writeable (it is written in place)")
+    if f.c_contiguous and f.aligned:
+        return x
+    if not copy:
+        raise ValueError(f"{name} must be C-contiguous and aligned (it is written in place)")
+    return np.array(x, order="C")
+
+
+def index_array(name, a):
+    """a as a C-contiguous 1-D int32 or int64 array."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array of int32 or int64, got {type(a).__name__}")
+    if a.dtype != I64 and a.dtype != I32:
+        raise TypeError(f"{name} must have dtype int32 or int64, got {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    f = a.flags
+    return a if f.c_contiguous and f.aligned else np.array(a, order="C")
+
+
+def real(name, v) -> float:
+    """v as a Python float, or a TypeError naming `name`."""
+    if isinstance(v, (bool, np.bool_)) or isinstance(v, (str, bytes)):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}") from None
+
+
+def finite(name, v, *, dtype=F32, minimum=None, positive=False) -> float:
+    """v as a float that is finite in `dtype` (the kernels apply it in float32), and >= minimum
+    (or > 0 if positive) when given."""
+    x = real(name, v)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    if dtype is not None and abs(x) > float(np.finfo(dtype).max):
+        raise ValueError(f"{name} = {x:g} overflows {np.dtype(dtype)} (max {float(np.finfo(dtype).max):g}), "
+                         "the precision it is applied in")
+    if positive and not x > 0:
+        raise ValueError(f"{name} must be > 0, got {x}")
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return x
+
+
+def choice(name, v, choices):
+    """v if it is one of `choices`, else a ValueError listing them."""
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {v!r}")
+    return v
+
+
+def no_overlap(name, out, *inputs, what="the inputs"):
+    """Reject `out` sharing memory with any input (kernels write it while reading them)."""
+    if any(x is not None and np.may_share_memory(out, x) for x in inputs):
+        raise ValueError(f"{name} must not overlap {what}")
+    return out
+
+
+def output(name, out, shape, *inputs, dtype=F32):
+    """A caller-given output: exact dtype and shape, C-contiguous, writeable, not overlapping inputs."""
+    if not isinstance(out, np.ndarray) or out.dtype != dtype:
+        raise TypeError(f"{name} must be a {np.dtype(dtype)} numpy.ndarray, got {_dtype_name(out)}")
+    if out.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{name} must be C-contiguous and writeable")
+    return no_overlap(name, out, *inputs)
