@@ -267,9 +267,10 @@ def test_architecture_errors(kwargs, match):
         DLRM(**args)
 
 
-def test_communicator_without_dist_is_a_clear_error(monkeypatch):
-    import sys
-    monkeypatch.setitem(sys.modules, "jitkern.dlrm.dist", None)        # as if dist were not installed
+def test_communicator_builds_the_distributed_model_or_says_why_not(monkeypatch):
+    from jitkern.dlrm import DistributedDLRM
+    assert DLRM._comm_variant is DistributedDLRM
+    monkeypatch.setattr(DLRM, "_comm_variant", None)                   # as if dist were not loaded
     with pytest.raises(NotImplementedError, match="comm"):
         DLRM(SIZES, D, BOTTOM, TOP, comm=object())
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..report import print_table  # noqa: F401  (the benchmarks' tables)
+
 
 def set_threads(n: int | None) -> dict:
     """Use n threads in numba kernels and in the BLAS (and torch, if imported). Returns BLAS info."""
@@ -59,8 +61,8 @@ def do_bench(fn, *, warmup: int = 2, min_reps: int = 5, min_time: float = 0.5,
              max_reps: int = 200, warmup_time: float = 0.02) -> Timing:
     """Median and 10/90th percentiles of fn() wall time; runs at least min_reps and min_time.
 
-    Warm-up: at least `warmup` calls and `warmup_time` seconds. Two calls alone left a
-    microsecond op measured right after a big copy at half speed (caches, clocks)."""
+    Warm-up: at least `warmup` calls and `warmup_time` seconds, so that a microsecond op timed
+    right after a big copy finds its caches and clocks settled."""
     n, t_warm = 0, time.perf_counter() + warmup_time
     while n < warmup or time.perf_counter() < t_warm:
         fn()
@@ -82,13 +84,3 @@ def copy_bandwidth_gbs(nbytes: int = 256 << 20) -> float:
     b = np.empty_like(a)
     t = do_bench(lambda: np.copyto(b, a), warmup=1, min_reps=3, min_time=0.3)
     return 2 * a.nbytes / t.median / 1e9
-
-
-def print_table(headers, rows) -> None:
-    """Print rows as an aligned plain-text table."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    for k, r in enumerate(cells):
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-        if k == 0:
-            print("  ".join("-" * w for w in widths))

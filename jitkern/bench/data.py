@@ -5,8 +5,7 @@
    frequency mode (two passes) and hash mode (one pass): raw-text MB/s, rows/s, and the
    child's peak RSS (from wait4).
 3. Times producing one batch from the output (sequential and block-shuffled) and compares it
-   with one training step of the `kaggle` DLRM (Kaggle table sizes, D=16, bottom
-   13-512-256-64-16, top 512-256-1) when jitkern.dlrm.model is importable.
+   with one training step of the `kaggle` DLRM configuration (jitkern.dlrm.configs).
 """
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..dlrm.configs import CONFIGS
 from .common import do_bench, print_table, set_threads
-
-KAGGLE_ARCH = dict(embedding_dim=16, bottom_mlp=[13, 512, 256, 64, 16], top_mlp=[512, 256, 1])
 
 
 def run_preprocess(raw, out, extra=()):
@@ -57,16 +55,14 @@ def batch_timer(ds, batch_size, **kw):
 
 
 def kaggle_step_time(ds, batch, max_ind_range):
-    """Median seconds of one kaggle DLRM train_step on `batch`, or (None, reason)."""
-    try:
-        from ..dlrm.model import DLRM
-    except ImportError as e:
-        return None, f"jitkern.dlrm.model not importable ({e})"
-    from ..dlrm.data.rawgen import KAGGLE_CARDINALITIES
-    sizes = [max(k, c) for k, c in zip(KAGGLE_CARDINALITIES, ds.cardinalities)]
+    """(Timing of one kaggle DLRM train_step on `batch`, a note on its tables)."""
+    from ..dlrm.model import DLRM
+
+    cfg = CONFIGS["kaggle"]
+    sizes = [max(k, c) for k, c in zip(cfg.sizes, ds.cardinalities)]
     if max_ind_range:
         sizes = [min(s, max_ind_range) for s in sizes]
-    model = DLRM(sizes, **KAGGLE_ARCH, seed=0)
+    model = DLRM(sizes, cfg.dim, list(cfg.bottom), list(cfg.top), seed=0)
     t = do_bench(lambda: model.train_step(batch.dense, batch.offsets, batch.indices, batch.labels, 0.01),
                  warmup=2, min_reps=5, min_time=1.0)
     return t, f"{sum(sizes):,} embedding rows"

@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from ..config import sleep_idle_workers
+from ..dlrm.configs import CONFIGS
 from .common import print_table, set_threads
 
 WORKER = [sys.executable, "-m", "jitkern.bench.dist", "--worker"]
@@ -31,7 +33,8 @@ def _timed_steps(model, batches, n, comm=None):
         if comm is not None:
             comm.Barrier()
         t0 = time.perf_counter()
-        losses.append(model.train_step(*batches[i % len(batches)], 0.01, check=False))
+        b = batches[i % len(batches)]
+        losses.append(model.train_step(b.dense, b.offsets, b.indices, b.labels, 0.01, check=False))
         times.append(time.perf_counter() - t0)
     # a rank that has its core is busy all the time (MPI waits poll): a share below 1 means
     # another process took the CPU during the measurement
@@ -42,15 +45,16 @@ def worker(args) -> int:
     """Time train_step (a warm model, `steps` steps) and print one JSON line on rank 0."""
     from ..dlrm.launch import comm_from_env
     from ..dlrm.model import DLRM, StageTimer
-    from ..dlrm.scale import configs, random_batch
+    from ..dlrm.synth import config_batches
 
     set_threads(1)
     comm = comm_from_env()
     rank = 0 if comm is None else comm.Get_rank()
-    cfg = configs()[args.config]
-    m = DLRM(cfg["sizes"], cfg["dim"], cfg["bottom"], cfg["top"], seed=0, comm=comm)
-    batches = [random_batch(cfg, args.batch, s) for s in range(3)]
-    losses = [m.train_step(*batches[i % 3], 0.01) for i in range(args.warmup)]
+    cfg = CONFIGS[args.config]
+    m = DLRM(**cfg.model_kwargs(), seed=0, comm=comm)
+    batches = config_batches(cfg, args.batch, 3)
+    losses = [m.train_step(b.dense, b.offsets, b.indices, b.labels, 0.01)
+              for b in (batches[i % 3] for i in range(args.warmup))]
     m.timer = timer = StageTimer()
     if comm is not None:
         m.exchange.reset_stats()
@@ -95,7 +99,7 @@ def _launch(config, ranks, batch, steps, warmup, timeout):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None) -> int:
+def _parse(argv):
     ap = argparse.ArgumentParser(prog="python -m jitkern bench dist", description=__doc__.split("\n")[0])
     ap.add_argument("--config", action="append", help="kaggle, mlperf, ... (default: kaggle and mlperf)")
     ap.add_argument("--ranks", default="1,2", help="comma-separated rank counts (4 oversubscribes this machine: "
@@ -108,62 +112,68 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        args.config = args.config[0]
-        return worker(args)
-    from ..dlrm.scale import configs, measure_and_predict
+    if not args.worker:
+        unknown = sorted(set(args.config or []) - set(CONFIGS))
+        if unknown:
+            ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    return args
 
-    names = args.config or ["kaggle", "mlperf"]
-    unknown = sorted(set(names) - set(configs()))
-    if unknown:
-        ap.error(f"unknown config(s) {unknown}; choose from {sorted(configs())}")
-    ranks = sorted({int(x) for x in args.ranks.split(",")} | {1})
-    print(f"bench dist: one thread per rank, {os.cpu_count()} CPUs here; per-rank/global batch {args.batch}")
+
+def _run_rounds(name, ranks, args) -> dict:
+    """(P, global batch) -> the combined result of its launches. Every measurement is its own launch,
+    in turn with the others, so each sees the machine as the others did around it, and no process
+    holds more than the model it times."""
     cores = os.cpu_count() or 1
-    rows, comm_rows, spread = [], [], []
-    for name in names:
-        # (P, global batch) -> one result per round. Every measurement is its own launch, in turn
-        # with the others, so each sees the machine as the others did around it, and no process
-        # holds more than the model it times (an idle one-process model kept next to the P=2 one
-        # in the same job made the P=2 kaggle steps 72 -> 77-78 ms in 6 of 8 runs; cause not found).
-        launches = sorted({(1, args.batch)} | {(p, args.batch * p if mode == "weak" else args.batch)
-                                               for p in ranks if p > 1 for mode in ("weak", "strong")})
-        results = {key: [] for key in launches}
-        for _ in range(args.rounds):
-            for p, batch in launches:
-                over = p > cores
-                if over and results[(p, batch)]:
-                    continue  # oversubscribed: correctness only, once
-                results[(p, batch)].append(_launch(name, p, batch, 2 if over else args.steps,
-                                                   min(args.warmup, 2) if over else args.warmup, args.timeout))
-        runs = {key: _combine(r) for key, r in results.items()}
-        spread.append(f"  {name}: " + "; ".join(f"P={p} B={b}: " + " ".join(f"{t * 1e3:.1f}" for t in r["rounds"])
-                                             for (p, b), r in sorted(runs.items())))
-        link = next((r for (p, _), r in runs.items() if p > 1), {"link_gbs": 10.0, "latency_us": 1.0})
-        bw, lat = max(link["link_gbs"], 0.1), link["latency_us"]
-        set_threads(1)
-        for mode in ("weak", "strong"):
-            preds = measure_and_predict(configs()[name], ranks, mode, bandwidth_gbs=bw, latency_us=lat,
-                                        per_rank_batch=args.batch, log=lambda *a: None)
-            base = runs[(1, args.batch)]
-            base_step, base_loss = base["step"], base["losses"][0]
-            for p, pred in zip(ranks, preds):
-                run = runs[(p, args.batch * p if mode == "weak" else args.batch)]
-                step = run["step"]
-                prof = run["profile"]
-                over = " (oversubscribed: correctness only)" if p > cores else ""
-                loss_ok = np.isclose(run["losses"][0], base_loss, rtol=1e-5) if mode == "strong" else ""
-                rows.append([name, mode, p, run["batch"], f"{step * 1e3:.1f}", f"{run['batch'] / step:,.0f}",
-                             f"{base_step / step:.2f}{'' if mode == 'weak' else 'x'}",
-                             f"{prof.get('communication', 0) * 1e3:.1f}", f"{prof.get('comm_hidden', 0) * 1e3:.1f}",
-                             f"{pred.step * 1e3:.1f}", f"{(pred.step / step - 1) * 100:+.0f}%",
-                             f"{run['cpu_share']:.2f}", str(loss_ok) + over])
-        print(f"  {name}: link between ranks {bw:.1f} GB/s, {lat:.1f} us (used by the model)")
-        for (p, batch), run in sorted(runs.items()):
-            for kind, calls, mb, wire, exposed, hidden in run["comm"]:
-                n = run["steps"] + run["warmup"]       # exchange counters include the warmup steps
-                comm_rows.append([name, p, batch, kind, f"{calls / n:.0f}", f"{mb / n:.2f}", f"{wire / n:.2f}",
-                                  f"{exposed / n:.2f}", f"{hidden / n:.2f}"])
+    launches = sorted({(1, args.batch)} | {(p, args.batch * p if mode == "weak" else args.batch)
+                                           for p in ranks if p > 1 for mode in ("weak", "strong")})
+    results = {key: [] for key in launches}
+    for _ in range(args.rounds):
+        for p, batch in launches:
+            over = p > cores
+            if over and results[(p, batch)]:
+                continue  # oversubscribed: correctness only, once
+            results[(p, batch)].append(_launch(name, p, batch, 2 if over else args.steps,
+                                               min(args.warmup, 2) if over else args.warmup, args.timeout))
+    return {key: _combine(r) for key, r in results.items()}
+
+
+def _scaling_rows(name, ranks, runs, link, args) -> list:
+    """One table row per (mode, P): measured step, efficiency or speed-up, comm, and the model's prediction."""
+    from ..dlrm.scale import measure_and_predict
+
+    cores = os.cpu_count() or 1
+    rows = []
+    set_threads(1)
+    for mode in ("weak", "strong"):
+        preds = measure_and_predict(CONFIGS[name], ranks, mode, bandwidth_gbs=link[0], latency_us=link[1],
+                                    per_rank_batch=args.batch, log=lambda *a: None)
+        base = runs[(1, args.batch)]
+        base_step, base_loss = base["step"], base["losses"][0]
+        for p, pred in zip(ranks, preds):
+            run = runs[(p, args.batch * p if mode == "weak" else args.batch)]
+            step, prof = run["step"], run["profile"]
+            over = " (oversubscribed: correctness only)" if p > cores else ""
+            loss_ok = np.isclose(run["losses"][0], base_loss, rtol=1e-5) if mode == "strong" else ""
+            rows.append([name, mode, p, run["batch"], f"{step * 1e3:.1f}", f"{run['batch'] / step:,.0f}",
+                         f"{base_step / step:.2f}{'' if mode == 'weak' else 'x'}",
+                         f"{prof.get('communication', 0) * 1e3:.1f}", f"{prof.get('comm_hidden', 0) * 1e3:.1f}",
+                         f"{pred.step * 1e3:.1f}", f"{(pred.step / step - 1) * 100:+.0f}%",
+                         f"{run['cpu_share']:.2f}", str(loss_ok) + over])
+    return rows
+
+
+def _comm_rows(name, runs) -> list:
+    """Per launch and exchange kind: calls, MB, link/exposed/hidden ms, per step."""
+    rows = []
+    for (p, batch), run in sorted(runs.items()):
+        for kind, calls, mb, wire, exposed, hidden in run["comm"]:
+            n = run["steps"] + run["warmup"]       # exchange counters include the warmup steps
+            rows.append([name, p, batch, kind, f"{calls / n:.0f}", f"{mb / n:.2f}", f"{wire / n:.2f}",
+                         f"{exposed / n:.2f}", f"{hidden / n:.2f}"])
+    return rows
+
+
+def _print_report(rows, comm_rows, spread) -> None:
     print_table(["config", "mode", "P", "global B", "ms/step", "samples/s", "eff|speedup", "comm exposed ms",
                  "comm hidden ms", "model ms", "model err", "cpu share", "loss = P1"], rows)
     print("eff = step(P=1) / step(P) at a fixed per-rank batch; speedup = step(P=1) / step(P) at a fixed global "
@@ -177,6 +187,28 @@ def main(argv=None) -> int:
               "MPI calls, incl. waiting for the other ranks; hidden: link time covered by compute):")
         print_table(["config", "P", "global B", "exchange", "calls", "MB sent", "link ms", "exposed ms", "hidden ms"],
                     comm_rows)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    sleep_idle_workers()                 # before the first parallel kernel (inherited by the launches)
+    if args.worker:
+        args.config = args.config[0]
+        return worker(args)
+    names = args.config or ["kaggle", "mlperf"]
+    ranks = sorted({int(x) for x in args.ranks.split(",")} | {1})
+    print(f"bench dist: one thread per rank, {os.cpu_count()} CPUs here; per-rank/global batch {args.batch}")
+    rows, comm_rows, spread = [], [], []
+    for name in names:
+        runs = _run_rounds(name, ranks, args)
+        spread.append(f"  {name}: " + "; ".join(f"P={p} B={b}: " + " ".join(f"{t * 1e3:.1f}" for t in r["rounds"])
+                                             for (p, b), r in sorted(runs.items())))
+        link = next((r for (p, _), r in runs.items() if p > 1), {"link_gbs": 10.0, "latency_us": 1.0})
+        bw, lat = max(link["link_gbs"], 0.1), link["latency_us"]
+        rows += _scaling_rows(name, ranks, runs, (bw, lat), args)
+        print(f"  {name}: link between ranks {bw:.1f} GB/s, {lat:.1f} us (used by the model)")
+        comm_rows += _comm_rows(name, runs)
+    _print_report(rows, comm_rows, spread)
     return 0
 
 

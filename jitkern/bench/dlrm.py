@@ -15,29 +15,11 @@ import sys
 import time
 
 from ..config import sleep_idle_workers
-
-sleep_idle_workers()  # for both implementations, before either starts its thread pool
-
-import numpy as np  # noqa: E402
-
-from ..dlrm.model import DLRM, StageTimer  # noqa: E402
-from ..dlrm.synth import random_batch
+from ..dlrm.configs import CONFIGS
+from ..dlrm.model import DLRM, StageTimer
+from ..dlrm.synth import config_batches
 from .common import blas_description, print_table, set_threads, torch_or_none
 
-KAGGLE_TABLES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
-                 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
-
-CONFIGS = {
-    "kaggle": dict(sizes=KAGGLE_TABLES, dim=16, bottom=[13, 512, 256, 64, 16], top=[512, 256, 1], lookups=1),
-    "kaggle-multihot": dict(sizes=KAGGLE_TABLES, dim=16, bottom=[13, 512, 256, 64, 16], top=[512, 256, 1],
-                            lookups=20),
-    "mlperf": dict(sizes=[200_000] * 26, dim=128, bottom=[13, 512, 256, 128], top=[1024, 1024, 512, 256, 1],
-                   lookups=1),
-    "paper-small": dict(sizes=[1_000_000] * 8, dim=64, bottom=[512, 512, 64], top=[1024, 1024, 1024, 1],
-                        lookups=100),
-    # not one of the issue's configs: a quick check that everything runs
-    "tiny": dict(sizes=[1000] * 8, dim=16, bottom=[13, 64, 16], top=[64, 1], lookups=2),
-}
 LR = 0.01
 
 
@@ -147,13 +129,7 @@ def _spread(times) -> str:
     return f"±{(q(0.9) - q(0.1)) / 2 / statistics.median(t) * 100:.0f}%"
 
 
-def make_batches(cfg, batch_size, n, seed=0):
-    rs = np.random.RandomState(seed)
-    return [random_batch(rs, cfg["sizes"], cfg["bottom"][0], batch_size, cfg["lookups"], True)
-            for _ in range(n)]
-
-
-def main(argv=None) -> int:
+def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m jitkern bench dlrm",
                                 description="DLRM training step: jitkern vs PyTorch, same batches, one process")
     p.add_argument("--config", choices=sorted(CONFIGS), default="kaggle")
@@ -163,62 +139,82 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=6, help="timed steps per implementation (at least)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     p.add_argument("--profile", action="store_true", help="jitkern's time per stage")
-    args = p.parse_args(argv)
-    if args.threads < 1 or args.num_batches < 1 or args.reps < 1:
-        print("--threads, --num-batches and --reps must be >= 1", file=sys.stderr)
-        return 2
-    cfg = CONFIGS[args.config]
-    blas = set_threads(args.threads)
-    print(f"config {args.config}: {len(cfg['sizes'])} tables ({sum(cfg['sizes']):,} rows), D={cfg['dim']}, "
-          f"bottom {'-'.join(map(str, cfg['bottom']))}, top {'-'.join(map(str, cfg['top']))}, "
-          f"pooling {cfg['lookups']}, batch {args.batch_size}, threads {args.threads}")
-    print(blas_description() if blas else "BLAS: unknown")
-    batches = make_batches(cfg, args.batch_size, args.num_batches)
+    return p.parse_args(argv)
 
+
+def _jitkern_model(cfg, batches):
+    """The model, warmed up (compile, first touch) inside a peak-memory window; -> (model, step fn,
+    peak bytes over the process before the model, whole-process peak, whether the peak was reset)."""
     gc.collect()
     exact_peak = reset_peak_rss()
     base = rss_bytes()
-    model = DLRM(cfg["sizes"], cfg["dim"], cfg["bottom"], cfg["top"], seed=0)
+    model = DLRM(**cfg.model_kwargs(), seed=0)
     it = itertools.cycle(batches)
 
-    def jk_step():
+    def step():
         b = next(it)
         model.train_step(b.dense, b.offsets, b.indices, b.labels, LR)
-    for _ in range(2):                       # compile / first-touch warmup, inside the memory window
-        jk_step()
+    for _ in range(2):
+        step()
     peak_abs = peak_rss_bytes()
-    peak = peak_abs - base
-    pbytes = model.parameter_bytes()
-    if args.profile:
-        model.timer = StageTimer()
-        for _ in range(args.reps):
-            jk_step()
-        rows = [[k, f"{1e3 * v / args.reps:.2f}"] for k, v in model.timer.seconds.items()]
-        print_table(["jitkern stage", "ms/step"], rows)
-        model.timer = StageTimer()
+    return model, step, peak_abs - base, peak_abs, exact_peak
 
-    steps = {"jitkern": jk_step}
-    torch = None if args.no_torch else torch_or_none()
-    if torch is not None:
-        torch.set_num_threads(args.threads)
-        tstep = steps[f"torch {torch.__version__}"] = torch_step_fn(torch, model, batches)
-        b = batches[0]                       # torch's first step is on batch 0 too, from the same weights
-        jk_loss, t_loss = model.train_step(b.dense, b.offsets, b.indices, b.labels, LR), tstep()
-        print(f"same weights and batch, one step: loss jitkern {jk_loss:.6f}, torch {t_loss:.6f}")
-        tstep()
-    # alternate the implementations step by step: a load change on a shared machine hits both alike
+
+def _profile(model, step, reps) -> None:
+    """--profile: jitkern's time per stage over `reps` steps."""
+    model.timer = StageTimer()
+    for _ in range(reps):
+        step()
+    print_table(["jitkern stage", "ms/step"], [[k, f"{1e3 * v / reps:.2f}"] for k, v in model.timer.seconds.items()])
+    model.timer = StageTimer()
+
+
+def _time_alternately(steps: dict, reps: int) -> dict:
+    """name -> step times; the implementations alternate step by step, so that a load change on a
+    shared machine hits both alike."""
     times = {name: [] for name in steps}
-    for _ in range(args.reps):
+    for _ in range(reps):
         for name, fn in steps.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(t) for name, t in times.items()}
-    rows = [[name, f"{med[name] * 1e3:.1f}", _spread(times[name]), f"{args.batch_size / med[name]:,.0f}"]
-            for name in steps]
-    print_table(["implementation", "ms/iter", "spread", "samples/s"], rows)
+    return times
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.threads < 1 or args.num_batches < 1 or args.reps < 1:
+        print("--threads, --num-batches and --reps must be >= 1", file=sys.stderr)
+        return 2
+    sleep_idle_workers()                 # for both implementations, before either starts its thread pool
+    cfg = CONFIGS[args.config]
+    blas = set_threads(args.threads)
+    print(f"config {args.config}: {len(cfg.sizes)} tables ({sum(cfg.sizes):,} rows), D={cfg.dim}, "
+          f"bottom {'-'.join(map(str, cfg.bottom))}, top {'-'.join(map(str, cfg.top))}, "
+          f"pooling {cfg.lookups}, batch {args.batch_size}, threads {args.threads}")
+    print(blas_description() if blas else "BLAS: unknown")
+    batches = config_batches(cfg, args.batch_size, args.num_batches)
+    model, jk_step, peak, peak_abs, exact_peak = _jitkern_model(cfg, batches)
+    pbytes = model.parameter_bytes()
+    if args.profile:
+        _profile(model, jk_step, args.reps)
+
+    steps = {"jitkern": jk_step}
+    torch = None if args.no_torch else torch_or_none()
+    tname = None if torch is None else f"torch {torch.__version__}"
     if torch is not None:
-        tname = f"torch {torch.__version__}"
+        torch.set_num_threads(args.threads)
+        tstep = steps[tname] = torch_step_fn(torch, model, batches)
+        b = batches[0]                       # torch's first step is on batch 0 too, from the same weights
+        jk_loss, t_loss = model.train_step(b.dense, b.offsets, b.indices, b.labels, LR), tstep()
+        print(f"same weights and batch, one step: loss jitkern {jk_loss:.6f}, torch {t_loss:.6f}")
+        tstep()
+    times = _time_alternately(steps, args.reps)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    print_table(["implementation", "ms/iter", "spread", "samples/s"],
+                [[name, f"{med[name] * 1e3:.1f}", _spread(times[name]), f"{args.batch_size / med[name]:,.0f}"]
+                 for name in steps])
+    if tname is not None:
         print(f"jitkern / torch samples/s: {med[tname] / med['jitkern']:.2f}x")
     how = "" if exact_peak else " (process peak: an upper bound)"
     print(f"jitkern peak memory over the process before the model: {peak / 2**20:,.0f} MiB = "

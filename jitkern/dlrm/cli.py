@@ -1,5 +1,6 @@
 """The DLRM trainer's command line: dlrm_s_pytorch.py's flags, plus --threads, --embedding-precision,
---profile and --plot. Entry points: `python examples/dlrm_numba.py` and `python -m jitkern train`.
+--autotune, --profile and --plot. Entry points: `python examples/dlrm_numba.py` and
+`python -m jitkern train`.
 
 With no flags it trains a small model on learnable synthetic data for a few seconds.
 """
@@ -11,11 +12,15 @@ import os
 import sys
 import time
 
-from ..config import sleep_idle_workers
-
-sleep_idle_workers()  # before numba starts its OpenMP pool
-
-from .synth import RandomData, SyntheticData  # noqa: E402
+from .. import set_num_threads
+from ..config import debug_level, get_config, sleep_idle_workers
+from ..report import print_table
+from .autotune import tune_for, tune_for_ranks
+from .data import iterate_batches, load_preprocessed, table_sizes
+from .launch import comm_from_env
+from .model import DLRM, StageTimer
+from .synth import RandomData, SyntheticData
+from .train import LRSchedule, TrainOptions, Trainer, load_checkpoint, read_checkpoint_header, state_from_meta
 
 PROG = "dlrm"
 
@@ -77,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--load-model", default="", help="resume from this checkpoint")
     e.add_argument("--inference-only", action="store_true", default=False, help="evaluate only")
     e.add_argument("--threads", type=int, default=0, help="kernel threads (0: numba's default)")
+    e.add_argument("--autotune", action="store_true", default=False,
+                   help="before training, tune the kernels for this model's shapes where the tuning DB "
+                        "has no entry yet (stored: later runs time nothing)")
     e.add_argument("--profile", action="store_true", default=False, help="print a per-op time table at the end")
     e.add_argument("--plot", default="", metavar="FILE.png", help="loss and AUC curves (needs matplotlib)")
     e.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="tqdm progress bar")
@@ -90,9 +98,6 @@ class DatasetData:
     """Adapter from jitkern.dlrm.data (preprocessed Criteo) to the trainer's batch-source protocol."""
 
     def __init__(self, path, split, batch_size, num_batches, *, shuffle, seed, max_ind_range):
-        from .data import iterate_batches, load_preprocessed, table_sizes
-
-        self._iterate = iterate_batches
         self.ds = load_preprocessed(path, split)
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
         self.max_ind_range = max_ind_range if max_ind_range > 0 else None
@@ -107,7 +112,7 @@ class DatasetData:
         return self.num_batches
 
     def batches(self, epoch=0, start=0):
-        it = self._iterate(self.ds, self.batch_size, shuffle=self.shuffle, seed=self.seed + epoch,
+        it = iterate_batches(self.ds, self.batch_size, shuffle=self.shuffle, seed=self.seed + epoch,
                            max_ind_range=self.max_ind_range, drop_last=False)
         for i, b in enumerate(it):
             if i >= self.num_batches:
@@ -154,8 +159,6 @@ def build_data(args, sizes, num_dense):
 
 def print_profile(timer, steps, total_seconds, log=print):
     """The --profile table: seconds, ms per training step and share of the run, per op."""
-    from ..bench.common import print_table
-
     order = ["data", "bottom_fwd", "embedding_fwd", "interaction", "top_fwd", "loss", "top_bwd",
              "bottom_bwd", "embedding_upd", "dense_upd", "communication", "evaluation"]
     names = order + sorted(set(timer.seconds) - set(order))
@@ -192,63 +195,78 @@ def plot_curves(path, state, log=print):
 # --------------------------------------------------------------------------- main
 
 
-def run(args, log=print) -> int:
-    from .model import DLRM, StageTimer
-    from .train import (LRSchedule, TrainOptions, Trainer, load_checkpoint, read_checkpoint_header,
-                        state_from_meta)
-
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
-    if args.threads:
-        import jitkern
-        jitkern.set_num_threads(args.threads)
-    if args.mini_batch_size < 1:
-        raise ValueError(f"--mini-batch-size must be >= 1, got {args.mini_batch_size}")
+def _architecture(args):
+    """(embedding sizes, bottom MLP, top MLP, train data, test data) from the flags."""
     bot = _sizes("--arch-mlp-bot", args.arch_mlp_bot)
     top = _sizes("--arch-mlp-top", args.arch_mlp_top)
     sizes = _sizes("--arch-embedding-size", args.arch_embedding_size)
-    if args.data_generation == "dataset":
-        train_data, test_data = build_data(args, None, None)
-        sizes = train_data.embedding_sizes
-        if bot[0] != train_data.num_dense:
-            raise ValueError(f"--arch-mlp-bot starts with {bot[0]} but the data set has {train_data.num_dense} "
-                             "dense features")
-    else:
-        train_data, test_data = build_data(args, sizes, bot[0])
-    LRSchedule(args.learning_rate, args.lr_num_warmup_steps, args.lr_decay_start_step, args.lr_num_decay_steps)
-    if args.load_model:
-        read_checkpoint_header(args.load_model)      # a foreign or truncated file fails before the model is built
+    if args.data_generation != "dataset":
+        return (sizes, bot, top) + build_data(args, sizes, bot[0])
+    train_data, test_data = build_data(args, None, None)
+    if bot[0] != train_data.num_dense:
+        raise ValueError(f"--arch-mlp-bot starts with {bot[0]} but the data set has {train_data.num_dense} "
+                         "dense features")
+    return train_data.embedding_sizes, bot, top, train_data, test_data
 
-    from .launch import comm_from_env                  # under `mpiexec -n P`: hybrid parallel, rank 0 logs
-    comm = comm_from_env()
-    if comm is not None and comm.Get_rank() != 0:
-        log = lambda *a, **k: None                   # noqa: E731
-        sys.stdout = open(os.devnull, "w")           # tables printed directly too
-    t_start = time.perf_counter()
+
+def _check_flags(args) -> None:
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.mini_batch_size < 1:
+        raise ValueError(f"--mini-batch-size must be >= 1, got {args.mini_batch_size}")
+
+
+def _rank_log(comm, log):
+    """Under `mpiexec -n P` only rank 0 logs (and prints tables)."""
+    if comm is None or comm.Get_rank() == 0:
+        return log
+    sys.stdout = open(os.devnull, "w")
+    return lambda *a, **k: None
+
+
+def _autotune(args, model, comm, log) -> None:
+    """--autotune: quick-tune the model's own shapes where the DB lacks them; one line of report."""
+    t0 = time.perf_counter()
+    k = args.num_indices_per_lookup
+    if comm is None:
+        tuned = len(tune_for(model, args.mini_batch_size, pooling=k))
+    else:
+        tuned = tune_for_ranks(model, args.mini_batch_size, comm, pooling=k)
+    db = get_config().tune_db
+    if tuned:
+        log(f"autotune: tuned {tuned} knob entries for this model's shapes in {time.perf_counter() - t0:.1f} s "
+            f"(stored in {db})")
+    else:
+        log(f"autotune: every knob entry for this model's shapes was found in {db}")
+
+
+def _train_options(args) -> TrainOptions:
+    return TrainOptions(lr=args.learning_rate, warmup_steps=args.lr_num_warmup_steps,
+                        decay_start_step=args.lr_decay_start_step, decay_steps=args.lr_num_decay_steps,
+                        nepochs=args.nepochs, print_freq=args.print_freq, print_time=args.print_time,
+                        test_freq=args.test_freq, save_model=args.save_model,
+                        mlperf_auc_threshold=args.mlperf_auc_threshold,
+                        progress={"auto": None, "on": True, "off": False}[args.progress])
+
+
+def _build_model(args, sizes, bot, top, comm, log, num_batches):
+    """The model (hybrid parallel under mpiexec), resumed from --load-model if given; -> (model, state)."""
     model = DLRM(sizes, args.arch_sparse_feature_size, bot, top, interaction=args.arch_interaction_op,
                  self_interaction=args.arch_interaction_itself, embedding_precision=args.embedding_precision,
                  seed=args.numpy_rand_seed, comm=comm)
     if comm is not None:
         log(model.describe())
     log(f"{model}: {model.parameter_bytes() / 2**20:.1f} MiB of parameters, {args.data_generation} data, "
-        f"{len(train_data)} batches of {args.mini_batch_size} per epoch")
-    timer = StageTimer() if args.profile else None
-    if timer is not None:
-        model.timer = timer
+        f"{num_batches} batches of {args.mini_batch_size} per epoch")
     state = None
     if args.load_model:
         state = state_from_meta(load_checkpoint(args.load_model, model))
         log(f"resumed from {args.load_model} at iteration {state.step}")
-    opts = TrainOptions(lr=args.learning_rate, warmup_steps=args.lr_num_warmup_steps,
-                        decay_start_step=args.lr_decay_start_step, decay_steps=args.lr_num_decay_steps,
-                        nepochs=args.nepochs, print_freq=args.print_freq, print_time=args.print_time,
-                        test_freq=args.test_freq, save_model=args.save_model,
-                        mlperf_auc_threshold=args.mlperf_auc_threshold,
-                        progress={"auto": None, "on": True, "off": False}[args.progress])
-    trainer = Trainer(model, train_data, test_data, opts, log=log, state=state, timer=timer)
-    if args.inference_only:
-        trainer.evaluate()
-        return 0
+    return model, state
+
+
+def _train_and_report(args, trainer, t_start, log) -> None:
+    """Run the training loop, then print the summary line, the profile and the plot as asked."""
     steps0, samples0, secs0 = trainer.state.step, trainer.state.samples, trainer.state.train_seconds
     state = trainer.run()
     wall = time.perf_counter() - t_start
@@ -259,19 +277,44 @@ def run(args, log=print) -> int:
         f"({samples / max(secs, 1e-12):,.0f} samples/s, {1e3 * secs / max(steps, 1):.2f} ms/it); "
         f"test loss {final['loss']:.5f}, AUC {final['auc']:.4f}, accuracy {100 * final['accuracy']:.2f} %; "
         f"wall {wall:.1f} s")
-    if timer is not None:
-        print_profile(timer, steps, wall, log)
+    if trainer.timer is not None:
+        print_profile(trainer.timer, steps, wall, log)
     if args.plot:
         plot_curves(args.plot, state, log)
+
+
+def run(args, log=print) -> int:
+    _check_flags(args)
+    if args.threads:
+        set_num_threads(args.threads)
+    sizes, bot, top, train_data, test_data = _architecture(args)
+    LRSchedule(args.learning_rate, args.lr_num_warmup_steps, args.lr_decay_start_step, args.lr_num_decay_steps)
+    if args.load_model:
+        read_checkpoint_header(args.load_model)      # a foreign or truncated file fails before the model is built
+    comm = comm_from_env()                           # under `mpiexec -n P`: hybrid parallel
+    log = _rank_log(comm, log)
+    t_start = time.perf_counter()
+    model, state = _build_model(args, sizes, bot, top, comm, log, len(train_data))
+    if args.autotune:
+        _autotune(args, model, comm, log)
+    timer = StageTimer() if args.profile else None
+    if timer is not None:
+        model.timer = timer
+    trainer = Trainer(model, train_data, test_data, _train_options(args), log=log, state=state, timer=timer)
+    if args.inference_only:
+        trainer.evaluate()
+    else:
+        _train_and_report(args, trainer, t_start, log)
     return 0
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    sleep_idle_workers()                             # before the first parallel kernel starts the thread pool
     try:
         return run(args)
     except (ValueError, IndexError, TypeError, KeyError, NotImplementedError, OSError) as e:
-        if os.environ.get("JITKERN_DEBUG"):
+        if debug_level():
             raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"{PROG}: error: {msg}", file=sys.stderr)

@@ -2,17 +2,24 @@
 placement.py, MLPs data-parallel), over the exchange layer of exchange.py; launch.py starts and
 ends the ranks (communicator, fault handling). mpi4py is imported only when a communicator is
 actually used, so single-process runs never initialise MPI.
+
+The step schedule is the base model's; this model overrides the stages that communicate:
+pooled embeddings travel by an alltoall posted before the bottom MLP forward and waited for
+after it, their gradients by the reverse alltoall posted before the bottom MLP backward; MLP
+gradients are allreduced in buckets as each layer's are ready (layer_done).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import ops
-from . import model as _model
+from ..codegen.knobs import Workload
 from .exchange import CommStat, Exchange
 from .launch import comm_from_env, describe_ranks, install_fault_handlers
+from .model import DLRM, StageTimer, StepContext
 from .placement import REPLICATE_BYTES, REPLICATED, batch_slices, place_tables
 
 __all__ = ["DistributedDLRM", "comm_from_env"]  # comm_from_env: launch.py's, kept importable from here
@@ -74,13 +81,6 @@ class _Plan:
         return out
 
 
-def _into(out, result):
-    """The op's result in `out` (ops that honour out= return it; copy otherwise)."""
-    if result is not out:
-        np.copyto(out, result)
-    return out
-
-
 def _slice_bags(offsets, indices, lo, hi):
     """The bags of samples lo..hi-1 of one table: (offsets (hi-lo,) from 0, indices view)."""
     start = int(offsets[lo]) if lo < len(offsets) else len(indices)
@@ -88,7 +88,18 @@ def _slice_bags(offsets, indices, lo, hi):
     return offsets[lo:hi] - start, indices[start:end]
 
 
-class DistributedDLRM(_model.DLRM):
+@dataclass
+class _DistStep(StepContext):
+    """A step's context on one rank: its plan, and the exchanges and gradients in flight."""
+    plan: _Plan = None
+    comm_before: tuple = (0.0, 0.0)     # (hidden, exposed) communication seconds at the start
+    grads: list = field(default_factory=list)      # gradients waiting for an allreduce bucket
+    alltoall: object = None             # the embedding exchange in flight
+    loss_op: object = None              # the allreduce of the loss parts
+    replica_grads: list = field(default_factory=list)
+
+
+class DistributedDLRM(DLRM, comm_variant=True):
     """The DLRM over an MPI communicator: tables model-parallel, MLPs data-parallel.
 
     Every rank calls every method with the same arguments (the same global batch); results
@@ -103,7 +114,6 @@ class DistributedDLRM(_model.DLRM):
         self.exchange = Exchange(comm)
         self._plans: dict[int, _Plan] = {}
         self._replica_grads: dict[int, np.ndarray] = {}
-        self._bucket: list | None = None   # gradients waiting for an allreduce bucket (backward only)
         super().__init__(*args, comm=comm, **kwargs)
 
     # ------------------------------------------------------------------ construction
@@ -133,10 +143,14 @@ class DistributedDLRM(_model.DLRM):
         """The placement and the rank -> pid map (printed by the trainer's rank 0 at start)."""
         return self.placement.describe() + ("\n" + describe_ranks() if self.nranks > 1 else "")
 
-    def parameter_bytes(self) -> int:
-        """Bytes of the parameters this rank holds (its tables, the replicated ones, the MLPs)."""
-        dense = sum(a.nbytes for a in self.bot_w + self.bot_b + self.top_w + self.top_b)
-        return dense + sum((w.nbytes if isinstance(w, np.ndarray) else w.hi.nbytes + w.lo.nbytes) for w in self.emb if w is not None)
+    def workload(self, batch: int, threads=(1,), *, pooling: int = 1) -> Workload:
+        """This rank's kernel shapes: the MLPs and the interaction on its slice of `batch`, its own
+        tables on all rows, the replicated ones on its slice."""
+        b = max(hi - lo for lo, hi in batch_slices(batch, self.nranks))
+        mine = super().workload(b, threads, pooling=pooling)
+        tables = [(self.embedding_sizes[t], self.embedding_dim, pooling, rows, self.table_itemsize)
+                  for ts, rows in ((self.owned, batch), (self.replicated, b)) for t in ts]
+        return Workload(mine.linears, tuple(dict.fromkeys(tables)), mine.interactions, mine.threads)
 
     # ------------------------------------------------------------------ state (collective)
 
@@ -152,39 +166,8 @@ class DistributedDLRM(_model.DLRM):
             if owner != REPLICATED:
                 self.comm.Bcast(full, root=owner)
             sd[f"emb.{t}.weight"] = full
-        for prefix, ws, bs in (("bot", self.bot_w, self.bot_b), ("top", self.top_w, self.top_b)):
-            for l, (w, b) in enumerate(zip(ws, bs)):
-                sd[f"{prefix}.{l}.weight"] = w
-                sd[f"{prefix}.{l}.bias"] = b
+        sd.update(self.mlp_state_dict())
         return sd
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Load a full model given on every rank: each rank keeps its tables and the MLPs."""
-        shapes = self.state_shapes()
-        if set(shapes) != set(sd):
-            missing, extra = sorted(set(shapes) - set(sd)), sorted(set(sd) - set(shapes))
-            raise KeyError(f"state_dict does not match this model: missing {missing[:5]}, unexpected {extra[:5]}")
-        for name, shape in shapes.items():
-            a = sd[name]
-            if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != shape:
-                raise ValueError(f"state_dict[{name!r}] must be a float32 array of shape {shape}, got "
-                                 f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
-        self.load_local({k: v for k, v in sd.items() if not k.startswith("emb.") or
-                         self.emb[int(k.split(".")[1])] is not None})
-
-    def load_local(self, sd: dict) -> None:
-        """Copy the given (already checked) arrays into this rank's parameters; tables it lacks are ignored."""
-        for name, a in sd.items():
-            kind, idx, what = name.split(".")
-            if kind == "emb":
-                t = int(idx)
-                if isinstance(self.emb[t], np.ndarray):
-                    np.copyto(self.emb[t], a)
-                elif self.emb[t] is not None:
-                    self.emb[t] = ops.SplitBF16Table.from_float32(a)
-            else:
-                ws, bs = (self.bot_w, self.bot_b) if kind == "bot" else (self.top_w, self.top_b)
-                np.copyto((ws if what == "weight" else bs)[int(idx)], a)
 
     # ------------------------------------------------------------------ stages
 
@@ -196,18 +179,48 @@ class DistributedDLRM(_model.DLRM):
             plan = self._plans[batch] = _Plan(self, batch)
         return plan
 
-    def embedding_forward(self, offsets, indices, plan):
-        """My tables on every rank's slice into the send blocks; replicated tables on my slice."""
+    def step_context(self, dense, offsets, indices, labels=None, lr=None) -> _DistStep:
+        """This rank's slice of the rows for the MLPs, the whole batch for its tables."""
+        before = self._comm_totals()
+        plan = self._plan(dense.shape[0])
+        rows = slice(plan.lo, plan.hi)
+        return _DistStep(dense[rows], offsets, indices, None if labels is None else labels[rows], lr,
+                         self._buffers_for(plan.b), plan=plan, comm_before=before)
+
+    def embedding_forward_start(self, ctx: _DistStep) -> None:
+        """My tables on every rank's slice into the send blocks, replicated tables on my slice;
+        then post the alltoall, to travel during the bottom MLP forward."""
+        plan = ctx.plan
         with self.timer("embedding_fwd"):
             for q, (lo, hi) in enumerate(plan.slices):
                 block = plan.fwd_send_blocks[q]
                 for k, t in enumerate(self.owned):
-                    off, idx = _slice_bags(offsets[t], indices[t], lo, hi)
-                    _into(block[k], ops.embedding_bag_forward(self.emb[t], idx, off, out=block[k]))
+                    off, idx = _slice_bags(ctx.offsets[t], ctx.indices[t], lo, hi)
+                    ops.embedding_bag_forward(self.emb[t], idx, off, out=block[k])
             for k, t in enumerate(self.replicated):
-                off, idx = _slice_bags(offsets[t], indices[t], plan.lo, plan.hi)
-                out = plan.replica_ly[k]
-                _into(out, ops.embedding_bag_forward(self.emb[t], idx, off, out=out))
+                off, idx = _slice_bags(ctx.offsets[t], ctx.indices[t], plan.lo, plan.hi)
+                ops.embedding_bag_forward(self.emb[t], idx, off, out=plan.replica_ly[k])
+        ctx.alltoall = self.exchange.ialltoallv("alltoall_fwd", plan.fwd_send, plan.own_counts,
+                                                plan.fwd_recv, plan.slice_counts)
+
+    def embedding_forward(self, ctx: _DistStep) -> list:
+        """My slice's pooled rows of every table, once the alltoall is in: T arrays (b, D)."""
+        self.exchange.wait(ctx.alltoall)
+        return ctx.plan.ly               # the interaction takes the list as is
+
+    def loss_forward(self, ctx: _DistStep, logits):
+        """My slice's loss; in training, post the allreduce of every rank's share of the global loss."""
+        loss, probs = super().loss_forward(ctx, logits)
+        if ctx.labels is not None:
+            plan = ctx.plan
+            plan.loss_parts[:] = 0.0
+            plan.loss_parts[self.rank] = loss * plan.b
+            ctx.loss_op = self.exchange.iallreduce("allreduce_loss", [plan.loss_parts])
+        return loss, probs
+
+    def loss_backward(self, ctx: _DistStep, probs):
+        """dloss/dlogits of the global mean: the op divides by my b, the global mean by B."""
+        return super().loss_backward(ctx, probs) * np.float32(ctx.plan.b / ctx.plan.batch)
 
     def _post_grads(self, pending, arrays, final=False):
         """Allreduce gradients as they appear: a bucket's worth or more alone and in place (no
@@ -222,34 +235,34 @@ class DistributedDLRM(_model.DLRM):
             pending.clear()
         self.exchange.progress()
 
-    def top_backward(self, dlogits, z, buf, pending):
-        """Top MLP backward, each layer's gradients queued for the allreduce as soon as they exist."""
-        return self._with_bucket(pending, super().top_backward, dlogits, z, buf)
-
-    def layer_done(self, mlp, grads):
+    def layer_done(self, ctx: _DistStep, mlp, grads):
         """Between MLP layers: let posted exchanges progress; in backward, bucket the layer's grads
         (the bottom MLP's first layer is the last to finish: it flushes the bucket)."""
         if grads is None:
             self.exchange.progress()
         else:
             l, dw, db = grads
-            self._post_grads(self._bucket, [dw, db], final=mlp == "bottom" and l == 0)
+            self._post_grads(ctx.grads, [dw, db], final=mlp == "bottom" and l == 0)
 
-    def bottom_backward(self, dx, dense, buf, pending):
-        return self._with_bucket(pending, super().bottom_backward, dx, dense, buf)
+    def embedding_backward_start(self, ctx: _DistStep, dly) -> None:
+        """Post the reverse alltoall (my slice's dly to each table's owner), then the replicated
+        tables' dense gradients, bucketed with the MLP's: both travel during the bottom MLP backward."""
+        plan = ctx.plan
+        with self.timer("interaction"):
+            for tabs, block in zip(plan.tables_of, plan.bwd_send_blocks):
+                for k, t in enumerate(tabs):
+                    block[k] = dly[:, t]
+        ctx.alltoall = self.exchange.ialltoallv("alltoall_bwd", plan.bwd_send, plan.slice_counts,
+                                                plan.bwd_recv, plan.own_counts)
+        with self.timer("embedding_upd"):
+            ctx.replica_grads = self._replica_backward(ctx, dly)
+        ctx.grads.extend(ctx.replica_grads)
 
-    def _with_bucket(self, pending, stage, *args):
-        self._bucket = pending
-        try:
-            return stage(*args)
-        finally:
-            self._bucket = None
-
-    def _replica_backward(self, offsets, indices, dly, plan):
+    def _replica_backward(self, ctx: _DistStep, dly):
         """Dense gradients (R, D) of the replicated tables from my slice (summed over ranks later)."""
         grads = []
         for t in self.replicated:
-            off, idx = _slice_bags(offsets[t], indices[t], plan.lo, plan.hi)
+            off, idx = _slice_bags(ctx.offsets[t], ctx.indices[t], ctx.plan.lo, ctx.plan.hi)
             rows, drows = ops.embedding_bag_backward(idx, off, dly[:, t], self.embedding_sizes[t])
             g = self._replica_grads.get(t)
             if g is None:
@@ -259,18 +272,46 @@ class DistributedDLRM(_model.DLRM):
             grads.append(g)
         return grads
 
-    def embedding_update(self, offsets, indices, plan, lr):
-        """Sparse SGD of my tables with the gradients of all B rows (received by the reverse alltoall)."""
+    def embedding_update(self, ctx: _DistStep, dly) -> None:
+        """Sparse SGD of my tables with the gradients of all B rows, which the reverse alltoall
+        brings (`dly`, my slice's, went out in embedding_backward_start)."""
+        plan = ctx.plan
+        self.exchange.wait(ctx.alltoall)
         with self.timer("embedding_upd"):
             for k, t in enumerate(self.owned):
                 for (lo, hi), block in zip(plan.slices, plan.bwd_recv_blocks):
                     plan.dout[lo:hi] = block[k]
-                ops.embedding_bag_sgd_(self.emb[t], indices[t], offsets[t], plan.dout, lr)
+                ops.embedding_bag_sgd_(self.emb[t], ctx.indices[t], ctx.offsets[t], plan.dout, ctx.lr)
                 self.exchange.progress()
+
+    def dense_update(self, ctx: _DistStep, bot_grads, top_grads) -> None:
+        """Once every gradient allreduce is in: SGD of the MLPs, then of the replicated tables."""
+        self.exchange.wait_all()
+        super().dense_update(ctx, bot_grads, top_grads)
+        with self.timer("embedding_upd"):
+            for t, g in zip(self.replicated, ctx.replica_grads):
+                ops.sgd_(self.emb[t], g, ctx.lr)
+
+    def step_loss(self, ctx: _DistStep, loss) -> float:
+        """The global batch-mean loss, the same on every rank."""
+        self.exchange.wait(ctx.loss_op)
+        self._account_comm(ctx.comm_before)
+        return float(ctx.plan.loss_parts.sum() / ctx.plan.batch)
+
+    def forward_result(self, ctx: _DistStep, probs):
+        """The whole batch's probabilities on every rank, gathered from the slices."""
+        plan = ctx.plan
+        counts = np.array([hi - lo for lo, hi in plan.slices], np.int64)
+        displs = np.array([lo for lo, _ in plan.slices], np.int64)
+        t0 = time.perf_counter()
+        self.comm.Allgatherv(probs, [plan.probs, (counts, displs), self.exchange.MPI.FLOAT])
+        self.exchange.stats.setdefault("allgather_probs", CommStat()).exposed += time.perf_counter() - t0
+        self._account_comm(ctx.comm_before)
+        return plan.probs.copy()
 
     def _account_comm(self, before):
         """Profile rows: time in MPI calls (exposed) and link time the overlap hid behind compute."""
-        if not isinstance(self.timer, _model.StageTimer):
+        if not isinstance(self.timer, StageTimer):
             return
         hidden, exposed = self._comm_totals()
         self.timer.add("communication", exposed - before[1])
@@ -279,72 +320,3 @@ class DistributedDLRM(_model.DLRM):
     def _comm_totals(self):
         stats = self.exchange.stats.values()
         return sum(s.hidden for s in stats), sum(s.exposed for s in stats)
-
-    # ------------------------------------------------------------------ public API (collective)
-
-    def _forward_slice(self, dense, offsets, indices, plan):
-        """Forward of my slice: returns (x, ly, z, logits, buf)."""
-        ex = self.exchange
-        buf = self._buffers_for(plan.b)
-        self.embedding_forward(offsets, indices, plan)
-        a2a = ex.ialltoallv("alltoall_fwd", plan.fwd_send, plan.own_counts, plan.fwd_recv, plan.slice_counts)
-        x = self.bottom_forward(dense[plan.lo:plan.hi], buf)
-        ex.wait(a2a)
-        ly = plan.ly                     # T arrays (b, D): the interaction takes the list as is
-        z = self.interaction_forward(x, ly)
-        logits = self.top_forward(z, buf)
-        return x, ly, z, logits, buf
-
-    def forward(self, dense, offsets, indices, *, check=True):
-        """Collective: click probabilities (B,) of the global batch, on every rank."""
-        if check:
-            self.check_batch(dense, offsets, indices)
-        before = self._comm_totals()
-        plan = self._plan(dense.shape[0])
-        _, _, _, logits, buf = self._forward_slice(dense, offsets, indices, plan)
-        _, probs = self.loss_forward(logits, buf.zero_labels)
-        counts = np.array([hi - lo for lo, hi in plan.slices], np.int64)
-        displs = np.array([lo for lo, _ in plan.slices], np.int64)
-        t0 = time.perf_counter()
-        self.comm.Allgatherv(probs, [plan.probs, (counts, displs), self.exchange.MPI.FLOAT])
-        self.exchange.stats.setdefault("allgather_probs", CommStat()).exposed += time.perf_counter() - t0
-        self._account_comm(before)
-        return plan.probs.copy()
-
-    def train_step(self, dense, offsets, indices, labels, lr, *, check=True) -> float:
-        """Collective: one SGD step on the global batch; returns the global batch-mean loss on every rank."""
-        lr = self._check_step(dense, offsets, indices, labels, lr, check)
-        ex = self.exchange
-        before = self._comm_totals()
-        plan = self._plan(dense.shape[0])
-        lo, hi = plan.lo, plan.hi
-        x, ly, z, logits, buf = self._forward_slice(dense, offsets, indices, plan)
-        my_labels = labels[lo:hi]
-        loss, probs = self.loss_forward(logits, my_labels)
-        plan.loss_parts[:] = 0.0
-        plan.loss_parts[self.rank] = loss * plan.b
-        loss_op = ex.iallreduce("allreduce_loss", [plan.loss_parts])
-        # dloss/dlogits of the global mean: the op divides by my b, the global mean by B
-        dlogits = self.loss_backward(probs, my_labels) * np.float32(plan.b / plan.batch)
-        pending = []
-        dz, top_grads = self.top_backward(dlogits, z, buf, pending)
-        dx, dly = self.interaction_backward(dz, x, ly)
-        with self.timer("interaction"):
-            for tabs, block in zip(plan.tables_of, plan.bwd_send_blocks):
-                for k, t in enumerate(tabs):
-                    block[k] = dly[:, t]
-        a2a = ex.ialltoallv("alltoall_bwd", plan.bwd_send, plan.slice_counts, plan.bwd_recv, plan.own_counts)
-        with self.timer("embedding_upd"):
-            replica_grads = self._replica_backward(offsets, indices, dly, plan)
-        pending.extend(replica_grads)
-        bot_grads = self.bottom_backward(dx, dense[lo:hi], buf, pending)
-        ex.wait(a2a)
-        self.embedding_update(offsets, indices, plan, lr)
-        ex.wait_all()
-        self.dense_update(bot_grads, top_grads, lr)
-        with self.timer("embedding_upd"):
-            for t, g in zip(self.replicated, replica_grads):
-                ops.sgd_(self.emb[t], g, lr)
-        ex.wait(loss_op)
-        self._account_comm(before)
-        return float(plan.loss_parts.sum() / plan.batch)

@@ -58,9 +58,7 @@ def _local_arrays(model) -> dict:
         if mine:
             out[f"emb.{t}.weight"] = w if isinstance(w, np.ndarray) else w.to_float32()
     if rank == 0:
-        for prefix, ws, bs in (("bot", model.bot_w, model.bot_b), ("top", model.top_w, model.top_b)):
-            for l, (w, b) in enumerate(zip(ws, bs)):
-                out[f"{prefix}.{l}.weight"], out[f"{prefix}.{l}.bias"] = w, b
+        out.update(model.mlp_state_dict())
     return out
 
 
@@ -128,8 +126,5 @@ def load_checkpoint(path: str, model, arch: dict) -> dict:
         if a.shape != shapes[name] or a.dtype != np.float32 or _crc(a) != e["crc32"]:
             raise ShardedCheckpointError(f"{path}: {e['file']} is corrupt (shape, dtype or checksum mismatch)")
         loaded[name] = a
-    if hasattr(model, "load_local"):
-        model.load_local(loaded)
-    else:
-        model.load_state_dict({k: np.asarray(v) for k, v in loaded.items()})
+    model.load_local({k: np.asarray(v) for k, v in loaded.items()})
     return manifest["meta"]

@@ -1,35 +1,35 @@
 """DLRM with manual backprop, composed from jitkern.ops only (no element loops here).
 
-One training step is a chain of small stage methods, each taking and returning explicit arrays
-(activations forward, gradients backward), so a subclass can insert communication between
-stages (the hybrid-parallel DLRM in jitkern.dlrm.dist does):
+One training step is a fixed schedule of stage methods, written once here; every stage takes the
+step's context (StepContext: this process's rows, the batch's lookups, buffers, and whatever a
+subclass carries from one stage to a later one) and explicit arrays:
 
-    bottom_forward -> embedding_forward -> interaction_forward -> top_forward -> loss_forward
-    -> top_backward -> interaction_backward -> bottom_backward -> embedding_update -> dense_update
+    embedding_forward_start -> bottom_forward -> embedding_forward -> interaction_forward
+    -> top_forward -> loss_forward -> loss_backward -> top_backward -> interaction_backward
+    -> embedding_backward_start -> bottom_backward -> embedding_update -> dense_update
 
-Activation buffers are allocated once per batch size and reused across steps; the tables are
-never copied (state_dict returns the live fp32 arrays, as torch's does).
+The `*_start` stages and the `layer_done` hook do nothing in one process; the hybrid-parallel
+DLRM (jitkern.dlrm.dist) overrides them and the stages that communicate, so its exchanges overlap
+the MLPs. Activation buffers are allocated once per batch size and reused across steps; the
+tables are never copied (state_dict returns the live fp32 arrays, as torch's does).
 """
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from .. import ops
+from ..codegen.knobs import Workload
 from ..ops.embedding import empty_table
+from .configs import dlrm_workload, interaction_width
 
 INTERACTIONS = ("dot", "cat")
 PRECISIONS = ("fp32", "bf16")
 _INIT_CHUNK = 1 << 16          # table rows drawn per call: no float64 copy of a table; cache-sized
-
-
-def _into(out, result):
-    """Make sure `result` of an op called with out=`out` lives in `out` (older ops ignore out=)."""
-    if result is not out:
-        np.copyto(out, result)
-    return out
 
 
 class StageTimer:
@@ -62,14 +62,6 @@ class _NullTimer:
         yield
 
 
-def interaction_width(num_tables: int, dim: int, interaction: str, self_interaction: bool) -> int:
-    """Width of the top MLP's input: D + P for dot (P pairs of the T+1 vectors), D*(T+1) for cat."""
-    f = num_tables + 1
-    if interaction == "cat":
-        return dim * f
-    return dim + (f * (f + 1) // 2 if self_interaction else f * (f - 1) // 2)
-
-
 class _Buffers:
     """Activations of one batch size, reused by every step with that size."""
 
@@ -84,6 +76,22 @@ class _Buffers:
         self.zero_labels = np.zeros(b, np.float32)
 
 
+@dataclass
+class StepContext:
+    """What one forward or training step passes through its stages.
+
+    dense, labels: the rows this process runs the MLPs on ((b, n_dense), (b,); labels None in
+    inference); offsets, indices: the lookups of the whole batch ((T, B), T arrays); lr: None in
+    inference; buf: the activation buffers for b rows.
+    """
+    dense: np.ndarray
+    offsets: np.ndarray
+    indices: list
+    labels: np.ndarray | None
+    lr: float | None
+    buf: _Buffers
+
+
 class DLRM:
     """Deep Learning Recommendation Model (dlrm_s_pytorch.py's), trained by plain SGD.
 
@@ -91,15 +99,22 @@ class DLRM:
     bottom_mlp: [n_dense, ..., D]; top_mlp: [..., 1] without its input width (derived).
     """
 
+    # the subclass that serves DLRM(..., comm=...): it declares itself with `comm_variant=True`
+    # (jitkern.dlrm.dist, which jitkern.dlrm imports), so this module never imports it
+    _comm_variant: ClassVar[type | None] = None
+
+    def __init_subclass__(cls, *, comm_variant: bool = False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if comm_variant:
+            DLRM._comm_variant = cls
+
     def __new__(cls, *args, comm=None, **kwargs):
         if comm is not None and cls is DLRM:
-            try:
-                from .dist import DistributedDLRM
-            except ImportError as e:
+            if DLRM._comm_variant is None:
                 raise NotImplementedError(
                     "DLRM(comm=...) needs the hybrid-parallel model jitkern.dlrm.dist.DistributedDLRM, "
-                    f"which this installation lacks ({e}); use comm=None for one process") from None
-            return super().__new__(DistributedDLRM)     # Python then runs its __init__
+                    "which is not loaded (import jitkern.dlrm.dist); use comm=None for one process")
+            return super().__new__(DLRM._comm_variant)     # Python then runs its __init__
         return super().__new__(cls)
 
     def __init__(self, embedding_sizes, embedding_dim, bottom_mlp, top_mlp, *, interaction="dot",
@@ -178,19 +193,35 @@ class DLRM:
         return self.bottom_mlp[0]
 
     def parameter_bytes(self) -> int:
-        """Bytes of all parameters as stored (a bf16 split table counts both halves)."""
+        """Bytes of the parameters this process holds (a bf16 split table counts both halves)."""
         dense = sum(a.nbytes for a in self.bot_w + self.bot_b + self.top_w + self.top_b)
-        return dense + sum(_table_nbytes(w) for w in self.emb)
+        return dense + sum(_table_nbytes(w) for w in self.emb if w is not None)
 
-    def state_dict(self) -> dict:
-        """name -> array; fp32 tables and all MLP arrays are the live parameters (no copies)."""
+    def workload(self, batch: int, threads=(1,), *, pooling: int = 1) -> Workload:
+        """The kernels' shapes in one training step at `batch` with `pooling` lookups per table
+        and sample: what the tuner tunes for."""
+        return dlrm_workload(self.embedding_sizes, self.embedding_dim, self.bottom_mlp, self.top_mlp[1:],
+                             batch, threads, pooling=pooling, interaction=self.interaction,
+                             self_interaction=self.self_interaction, itemsize=self.table_itemsize)
+
+    @property
+    def table_itemsize(self) -> int:
+        """Bytes per table element that lookups read (a bf16 split table's high halves: 2)."""
+        return 2 if self.embedding_precision == "bf16" else 4
+
+    def mlp_state_dict(self) -> dict:
+        """name -> live array of every MLP weight and bias."""
         sd = {}
-        for t, w in enumerate(self.emb):
-            sd[f"emb.{t}.weight"] = w if isinstance(w, np.ndarray) else w.to_float32()
         for prefix, ws, bs in (("bot", self.bot_w, self.bot_b), ("top", self.top_w, self.top_b)):
             for l, (w, b) in enumerate(zip(ws, bs)):
                 sd[f"{prefix}.{l}.weight"] = w
                 sd[f"{prefix}.{l}.bias"] = b
+        return sd
+
+    def state_dict(self) -> dict:
+        """name -> array; fp32 tables and all MLP arrays are the live parameters (no copies)."""
+        sd = {f"emb.{t}.weight": w if isinstance(w, np.ndarray) else w.to_float32() for t, w in enumerate(self.emb)}
+        sd.update(self.mlp_state_dict())
         return sd
 
     def state_shapes(self) -> dict:
@@ -203,7 +234,8 @@ class DLRM:
         return shapes
 
     def load_state_dict(self, sd: dict) -> None:
-        """Copy every parameter from `sd` after checking names, shapes and dtypes (all before any copy)."""
+        """Copy every parameter from `sd` (the full model) after checking names, dtypes and shapes,
+        all before any copy; tables this process does not hold are skipped."""
         shapes = self.state_shapes()
         missing = sorted(set(shapes) - set(sd))
         extra = sorted(set(sd) - set(shapes))
@@ -216,16 +248,22 @@ class DLRM:
                                 f"{getattr(a, 'dtype', type(a).__name__)}")
             if a.shape != shape:
                 raise ValueError(f"state_dict[{name!r}] has shape {a.shape}, expected {shape}")
-        for t in range(self.num_tables):
-            src = sd[f"emb.{t}.weight"]
-            if isinstance(self.emb[t], np.ndarray):
-                np.copyto(self.emb[t], src)
+        self.load_local(sd)
+
+    def load_local(self, sd: dict) -> None:
+        """Copy the given, already checked arrays into the parameters; tables this process does not
+        hold are ignored (a sharded checkpoint gives each rank only its own)."""
+        for name, a in sd.items():
+            kind, idx, what = name.split(".")
+            if kind == "emb":
+                t = int(idx)
+                if isinstance(self.emb[t], np.ndarray):
+                    np.copyto(self.emb[t], a)
+                elif self.emb[t] is not None:
+                    self.emb[t] = ops.SplitBF16Table.from_float32(a)
             else:
-                self.emb[t] = ops.SplitBF16Table.from_float32(src)
-        for prefix, ws, bs in (("bot", self.bot_w, self.bot_b), ("top", self.top_w, self.top_b)):
-            for l in range(len(ws)):
-                np.copyto(ws[l], sd[f"{prefix}.{l}.weight"])
-                np.copyto(bs[l], sd[f"{prefix}.{l}.bias"])
+                ws, bs = (self.bot_w, self.bot_b) if kind == "bot" else (self.top_w, self.top_b)
+                np.copyto((ws if what == "weight" else bs)[int(idx)], a)
 
     # ------------------------------------------------------------------ input checks
 
@@ -283,116 +321,140 @@ class DLRM:
             buf = self._buffers[b] = _Buffers(self, b)
         return buf
 
-    def bottom_forward(self, dense, buf):
-        """x = bottom MLP(dense); dense: (B, n_dense) -> x: (B, D), ReLU after every layer."""
+    def step_context(self, dense, offsets, indices, labels=None, lr=None) -> StepContext:
+        """The context of one step on this batch (one process: all its rows)."""
+        return StepContext(dense, offsets, indices, labels, lr, self._buffers_for(dense.shape[0]))
+
+    def embedding_forward_start(self, ctx: StepContext) -> None:
+        """Embedding work that can run ahead of the bottom MLP and overlap it (one process: none)."""
+
+    def bottom_forward(self, ctx: StepContext):
+        """x = bottom MLP(dense); dense: (b, n_dense) -> x: (b, D), ReLU after every layer."""
         with self.timer("bottom_fwd"):
-            h = dense
-            for w, b, out in zip(self.bot_w, self.bot_b, buf.bot):
-                h = _into(out, ops.linear_forward(h, w, b, activation="relu", out=out))
-                self.layer_done("bottom", None)
+            h = ctx.dense
+            for w, b, out in zip(self.bot_w, self.bot_b, ctx.buf.bot):
+                h = ops.linear_forward(h, w, b, activation="relu", out=out)
+                self.layer_done(ctx, "bottom", None)
             return h
 
-    def embedding_forward(self, offsets, indices, buf):
-        """ly[t] = sum-pooled rows of table t; -> ly: T arrays (B, D)."""
+    def embedding_forward(self, ctx: StepContext) -> list:
+        """ly[t] = sum-pooled rows of table t for this process's rows; -> ly: T arrays (b, D)."""
         with self.timer("embedding_fwd"):
             for t, w in enumerate(self.emb):
-                out = buf.ly[t]
-                _into(out, ops.embedding_bag_forward(w, indices[t], offsets[t], out=out))
-            return buf.ly
+                ops.embedding_bag_forward(w, ctx.indices[t], ctx.offsets[t], out=ctx.buf.ly[t])
+            return ctx.buf.ly
 
-    def interaction_forward(self, x, ly):
-        """z: (B, top_mlp[0]) from x: (B, D) and ly: T arrays (B, D)."""
+    def interaction_forward(self, ctx: StepContext, x, ly):
+        """z: (b, top_mlp[0]) from x: (b, D) and ly: T arrays (b, D)."""
         with self.timer("interaction"):
             if self.interaction == "dot":
                 return ops.interaction_dot_forward(x, ly, self_interaction=self.self_interaction)
             return ops.interaction_cat_forward(x, ly)
 
-    def top_forward(self, z, buf):
-        """logits: (B,) from z; ReLU on hidden layers, none on the last (the loss applies sigmoid)."""
+    def top_forward(self, ctx: StepContext, z):
+        """logits: (b,) from z; ReLU on hidden layers, none on the last (the loss applies sigmoid)."""
         with self.timer("top_fwd"):
             h = z
             last = len(self.top_w) - 1
-            for l, (w, b, out) in enumerate(zip(self.top_w, self.top_b, buf.top)):
-                act = None if l == last else "relu"
-                h = _into(out, ops.linear_forward(h, w, b, activation=act, out=out))
+            for l, (w, b, out) in enumerate(zip(self.top_w, self.top_b, ctx.buf.top)):
+                h = ops.linear_forward(h, w, b, activation=None if l == last else "relu", out=out)
             return h.reshape(-1)
 
-    def loss_forward(self, logits, labels):
-        """(batch-mean BCE loss, probs (B,)) from logits."""
+    def loss_forward(self, ctx: StepContext, logits):
+        """(batch-mean BCE loss of this process's rows, probs (b,)) from logits; inference: probs only."""
+        labels = ctx.buf.zero_labels if ctx.labels is None else ctx.labels
         with self.timer("loss"):
             return ops.sigmoid_bce_forward(logits, labels)
 
     # ------------------------------------------------------------------ stages (backward, update)
 
-    def loss_backward(self, probs, labels):
+    def loss_backward(self, ctx: StepContext, probs):
+        """dloss/dlogits: (b,)."""
         with self.timer("loss"):
-            return ops.sigmoid_bce_backward(probs, labels)
+            return ops.sigmoid_bce_backward(probs, ctx.labels)
 
-    def top_backward(self, dlogits, z, buf):
+    def top_backward(self, ctx: StepContext, dlogits, z):
         """Top MLP backward; -> (dz, [(dw, db) per layer])."""
         with self.timer("top_bwd"):
             dy = dlogits.reshape(-1, 1)
             grads = [None] * len(self.top_w)
             last = len(self.top_w) - 1
             for l in range(last, -1, -1):
-                x = z if l == 0 else buf.top[l - 1]
+                x = z if l == 0 else ctx.buf.top[l - 1]
                 act = None if l == last else "relu"
-                dy, dw, db = ops.linear_backward(dy, x, self.top_w[l], buf.top[l], activation=act)
+                dy, dw, db = ops.linear_backward(dy, x, self.top_w[l], ctx.buf.top[l], activation=act)
                 grads[l] = (dw, db)
-                self.layer_done("top", (l, dw, db))
+                self.layer_done(ctx, "top", (l, dw, db))
             return dy, grads
 
-    def interaction_backward(self, dz, x, ly):
-        """-> (dx (B, D), dly (B, T, D))."""
+    def interaction_backward(self, ctx: StepContext, dz, x, ly):
+        """-> (dx (b, D), dly (b, T, D))."""
         with self.timer("interaction"):
             if self.interaction == "dot":
                 return ops.interaction_dot_backward(dz, x, ly, self_interaction=self.self_interaction)
             return ops.interaction_cat_backward(dz, x, ly)
 
-    def bottom_backward(self, dx, dense, buf):
+    def embedding_backward_start(self, ctx: StepContext, dly) -> None:
+        """Embedding-gradient work that can run ahead of the bottom MLP backward and overlap it
+        (one process: none; embedding_update fuses the backward into the update)."""
+
+    def bottom_backward(self, ctx: StepContext, dx):
         """Bottom MLP backward; -> [(dw, db) per layer] (the gradient w.r.t. dense is not needed)."""
         with self.timer("bottom_bwd"):
             dy = dx
             grads = [None] * len(self.bot_w)
             for l in range(len(self.bot_w) - 1, -1, -1):
-                x = dense if l == 0 else buf.bot[l - 1]
-                dy, dw, db = ops.linear_backward(dy, x, self.bot_w[l], buf.bot[l], activation="relu",
+                x = ctx.dense if l == 0 else ctx.buf.bot[l - 1]
+                dy, dw, db = ops.linear_backward(dy, x, self.bot_w[l], ctx.buf.bot[l], activation="relu",
                                                  need_dx=l > 0)
                 grads[l] = (dw, db)
-                self.layer_done("bottom", (l, dw, db))
+                self.layer_done(ctx, "bottom", (l, dw, db))
             return grads
 
-    def layer_done(self, mlp: str, grads) -> None:
+    def layer_done(self, ctx: StepContext, mlp: str, grads) -> None:
         """Called after each MLP layer ("bottom" or "top"; grads None in forward, (layer, dw, db) in
-        backward): a hook for the distributed model to progress and bucket its communication."""
+        backward): where the distributed model progresses and buckets its communication."""
 
-    def embedding_update(self, offsets, indices, dly, lr):
+    def embedding_update(self, ctx: StepContext, dly) -> None:
         """Fused sparse backward + SGD per table: each lookup's gradient applied to its row in place."""
         with self.timer("embedding_upd"):
             for t, w in enumerate(self.emb):
-                ops.embedding_bag_sgd_(w, indices[t], offsets[t], dly[:, t], lr)
+                ops.embedding_bag_sgd_(w, ctx.indices[t], ctx.offsets[t], dly[:, t], ctx.lr)
 
-    def dense_update(self, bot_grads, top_grads, lr):
+    def dense_update(self, ctx: StepContext, bot_grads, top_grads) -> None:
         """Plain SGD on every MLP weight and bias."""
         with self.timer("dense_upd"):
             for ws, bs, grads in ((self.bot_w, self.bot_b, bot_grads), (self.top_w, self.top_b, top_grads)):
                 for w, b, (dw, db) in zip(ws, bs, grads):
-                    ops.sgd_(w, dw, lr)
-                    ops.sgd_(b, db, lr)
+                    ops.sgd_(w, dw, ctx.lr)
+                    ops.sgd_(b, db, ctx.lr)
+
+    def step_loss(self, ctx: StepContext, loss) -> float:
+        """The batch-mean loss train_step returns."""
+        return float(loss)
+
+    def forward_result(self, ctx: StepContext, probs):
+        """The click probabilities of the whole batch that forward returns."""
+        return probs
 
     # ------------------------------------------------------------------ public API
+
+    def _forward_stages(self, ctx: StepContext):
+        """-> (x, ly, z, logits) of this process's rows."""
+        self.embedding_forward_start(ctx)
+        x = self.bottom_forward(ctx)
+        ly = self.embedding_forward(ctx)
+        z = self.interaction_forward(ctx, x, ly)
+        return x, ly, z, self.top_forward(ctx, z)
 
     def forward(self, dense, offsets, indices, *, check=True):
         """Click probabilities (B,) float32 for one batch (inference; parameters untouched)."""
         if check:
             self.check_batch(dense, offsets, indices)
-        buf = self._buffers_for(dense.shape[0])
-        x = self.bottom_forward(dense, buf)
-        ly = self.embedding_forward(offsets, indices, buf)
-        z = self.interaction_forward(x, ly)
-        logits = self.top_forward(z, buf)
-        _, probs = self.loss_forward(logits, buf.zero_labels)
-        return probs
+        ctx = self.step_context(dense, offsets, indices)
+        *_, logits = self._forward_stages(ctx)
+        _, probs = self.loss_forward(ctx, logits)
+        return self.forward_result(ctx, probs)
 
     def _check_step(self, dense, offsets, indices, labels, lr, check) -> float:
         """Validate a training batch (unless check=False) and the learning rate; -> lr as float."""
@@ -406,19 +468,17 @@ class DLRM:
     def train_step(self, dense, offsets, indices, labels, lr, *, check=True) -> float:
         """Forward, backward and SGD update of every parameter; returns the batch-mean BCE loss."""
         lr = self._check_step(dense, offsets, indices, labels, lr, check)
-        buf = self._buffers_for(dense.shape[0])
-        x = self.bottom_forward(dense, buf)
-        ly = self.embedding_forward(offsets, indices, buf)
-        z = self.interaction_forward(x, ly)
-        logits = self.top_forward(z, buf)
-        loss, probs = self.loss_forward(logits, labels)
-        dlogits = self.loss_backward(probs, labels)
-        dz, top_grads = self.top_backward(dlogits, z, buf)
-        dx, dly = self.interaction_backward(dz, x, ly)
-        bot_grads = self.bottom_backward(dx, dense, buf)
-        self.embedding_update(offsets, indices, dly, lr)
-        self.dense_update(bot_grads, top_grads, lr)
-        return float(loss)
+        ctx = self.step_context(dense, offsets, indices, labels, lr)
+        x, ly, z, logits = self._forward_stages(ctx)
+        loss, probs = self.loss_forward(ctx, logits)
+        dlogits = self.loss_backward(ctx, probs)
+        dz, top_grads = self.top_backward(ctx, dlogits, z)
+        dx, dly = self.interaction_backward(ctx, dz, x, ly)
+        self.embedding_backward_start(ctx, dly)
+        bot_grads = self.bottom_backward(ctx, dx)
+        self.embedding_update(ctx, dly)
+        self.dense_update(ctx, bot_grads, top_grads)
+        return self.step_loss(ctx, loss)
 
     def __repr__(self):
         return (f"DLRM(tables={self.num_tables}, D={self.embedding_dim}, bottom={self.bottom_mlp}, "

@@ -1,28 +1,21 @@
 """Name a rank that dies without a word (SIGKILL, the OOM killer, a crash in native code).
 
-A killed rank cannot report itself, the survivors are killed by mpiexec within a millisecond
-(too soon for them to say anything: measured, a watcher thread inside each rank got its line out
-in 1 run of 3), and MPICH's mpiexec then prints the pid of whichever process it noticed first,
-at times a rank it killed itself. So the lowest rank on each host starts one small watcher
-process in a session of its own (out of mpiexec's reach), holding the job's stderr. When the
-first rank on its host ends while no rank has said goodbye, it is reported as
+A killed rank cannot report itself, mpiexec kills the survivors too soon for them to speak, and
+its own report may name a rank it killed. So the lowest rank on each host starts one small
+watcher process in a session of its own (out of mpiexec's reach), holding the job's stderr; when
+the first rank on its host ends while no rank has said goodbye, it prints
 
     jitkern: rank R of P (pid N on HOST) died without an error (killed by a signal?)
 
-How it knows which rank ended first: each rank holds the write end of a life line (a FIFO)
-whose read end the watcher polls. A dying process closes its files before it has finished
-exiting, and mpiexec can only learn of the death from those files closing (its pipes and PMI
-socket go in the same batch), so the first life line to close is the rank that died: the ranks
-mpiexec kills in response close theirs later. The end of a process as a pidfd sees it comes
-after its address space is torn down, which takes longer for a large process than for a small
-one killed later: ordering by pidfds alone named a rank mpiexec had killed (1 CI run in ~100).
-Pidfds stay as the fallback for a rank whose line a forked child keeps open.
+Each rank holds the write end of a life line (a FIFO) whose read end the watcher polls. A dying
+process closes its files before its address space is torn down, and mpiexec learns of a death
+only from such files closing, so the first line to close is the rank that died. A pidfd per
+rank covers a line that a forked child keeps open. Ranks say goodbye (`disarm`) by writing a
+byte on their line when they exit normally or have reported their own exception. Linux only
+(pidfd_open, 5.3+); elsewhere nothing is started and rank 0's `ranks: R=pid ...` start-up line
+is what remains.
 
-Ranks say goodbye (`disarm`) by writing a byte on their line when they exit normally or have
-reported their own exception. Linux only (pidfd_open, 5.3+); elsewhere nothing is started
-and rank 0's `ranks: R=pid ...` start-up line is what remains.
-
-Run as a script (no package import: it starts in ~20 ms), this file is the watcher:
+Run as a script (no package import, so it starts at once), this file is the watcher:
     python peer_watch.py SIZE HOST R:PID:FD...      (FD: the inherited read end of rank R's line)
 """
 from __future__ import annotations

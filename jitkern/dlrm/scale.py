@@ -15,31 +15,20 @@ backward.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from .. import set_num_threads
+from ..config import sleep_idle_workers
+from ..report import print_table
+from .configs import CONFIGS, ModelConfig, interaction_width
 from .placement import REPLICATED, batch_slices, place_tables
+from .synth import config_batches
 
 BATCH = 2048
-
-
-def configs() -> dict:
-    """name -> dict(sizes, dim, bottom, top, lookups): the DLRM benchmark's configs."""
-    from ..bench.dlrm import CONFIGS
-    return CONFIGS
-
-
-def random_batch(cfg: dict, batch: int, seed: int):
-    """(dense, offsets, indices, labels) with `lookups` uniform indices per table per sample."""
-    rs = np.random.default_rng(seed)
-    k = cfg["lookups"]
-    dense = rs.random((batch, cfg["bottom"][0]), dtype=np.float32)
-    offsets = np.tile(np.arange(batch, dtype=np.int64) * k, (len(cfg["sizes"]), 1))
-    indices = [rs.integers(0, rows, batch * k, dtype=np.int64) for rows in cfg["sizes"]]
-    labels = rs.integers(0, 2, batch).astype(np.float32)
-    return dense, offsets, indices, labels
 
 
 # --------------------------------------------------------------------------- measured rates
@@ -64,14 +53,15 @@ def _median_time(fn, reps):
     return float(np.median(times))
 
 
-def measure_dense(cfg: dict, rows: int, reps: int = 5) -> dict:
+def measure_dense(cfg: ModelConfig, rows: int, reps: int = 5) -> dict:
     """Per-stage seconds of a train step at `rows`, tables shrunk to 4 rows (their cost is not wanted)."""
     from .model import DLRM, StageTimer
 
-    m = DLRM([4] * len(cfg["sizes"]), cfg["dim"], cfg["bottom"], cfg["top"], seed=0)
+    tiny = dataclasses.replace(cfg, sizes=(4,) * len(cfg.sizes))
+    m = DLRM(**tiny.model_kwargs(), seed=0)
     m.timer = timer = StageTimer()
-    tiny = dict(cfg, sizes=[4] * len(cfg["sizes"]))
-    batch = random_batch(tiny, rows, 0)
+    b = config_batches(tiny, rows, 1)[0]
+    batch = (b.dense, b.offsets, b.indices, b.labels)
     for _ in range(2):
         m.train_step(*batch, 0.01)
     timer.reset()
@@ -80,15 +70,15 @@ def measure_dense(cfg: dict, rows: int, reps: int = 5) -> dict:
     return {k: v / reps for k, v in timer.seconds.items() if not k.startswith("embedding")}
 
 
-def measure_tables(cfg: dict, batch: int, reps: int = 3, cache=None) -> list:
+def measure_tables(cfg: ModelConfig, batch: int, reps: int = 3, cache=None) -> list:
     """Per table: seconds of embedding forward + fused SGD update of `batch` samples (one table at a time)."""
     from .. import ops
 
     cache = {} if cache is None else cache
     out = []
-    k, dim = cfg["lookups"], cfg["dim"]
+    k, dim = cfg.lookups, cfg.dim
     rs = np.random.default_rng(1)
-    for rows in cfg["sizes"]:
+    for rows in cfg.sizes:
         key = (rows, dim, k, batch)
         if key not in cache:
             w = np.full((rows, dim), 0.01, np.float32)      # touch every page, as a trained table would
@@ -123,21 +113,20 @@ class Prediction:
                 f"{self.batch / self.step:,.0f}", f"{eff:.2f}"]
 
 
-def mlp_params(cfg: dict) -> int:
-    from .model import interaction_width
-    top = [interaction_width(len(cfg["sizes"]), cfg["dim"], "dot", False)] + list(cfg["top"])
-    return sum(n * m + m for sizes in (cfg["bottom"], top) for n, m in zip(sizes[:-1], sizes[1:]))
+def mlp_params(cfg: ModelConfig) -> int:
+    top = [interaction_width(len(cfg.sizes), cfg.dim, cfg.interaction)] + list(cfg.top)
+    return sum(n * m + m for sizes in (cfg.bottom, top) for n, m in zip(sizes[:-1], sizes[1:]))
 
 
-def predict(cfg: dict, ranks: int, batch: int, dense: dict, table_seconds: list, table_batch: int, *,
+def predict(cfg: ModelConfig, ranks: int, batch: int, dense: dict, table_seconds: list, table_batch: int, *,
             bandwidth_gbs: float, latency_us: float) -> Prediction:
     """Step time on `ranks` ranks for a global `batch`, from measured rates (see the module doc).
 
     dense: per-stage seconds at the per-rank batch; table_seconds: per table at table_batch rows.
     """
-    D, k = cfg["dim"], cfg["lookups"]
-    lookups = [k] * len(cfg["sizes"])
-    pl = place_tables(cfg["sizes"], D, ranks, lookups)
+    D, k = cfg.dim, cfg.lookups
+    lookups = [k] * len(cfg.sizes)
+    pl = place_tables(cfg.sizes, D, ranks, lookups)
     b = max(hi - lo for lo, hi in batch_slices(batch, ranks))
     scale_t = batch / table_batch
     rep = [t for t, o in enumerate(pl.owner) if o == REPLICATED]
@@ -149,22 +138,22 @@ def predict(cfg: dict, ranks: int, batch: int, dense: dict, table_seconds: list,
     if ranks > 1:
         # busiest rank: sends its tables' rows of everyone else's slice, receives its slice of the rest
         send = max(len(pl.tables_of(r)) * (batch - b) for r in range(ranks)) * D * 4
-        recv = b * (len(cfg["sizes"]) - len(rep) - min(len(pl.tables_of(r)) for r in range(ranks))) * D * 4
+        recv = b * (len(cfg.sizes) - len(rep) - min(len(pl.tables_of(r)) for r in range(ranks))) * D * 4
         a2a = (ranks - 1) * lat + max(send, recv) / bw
-        n = (mlp_params(cfg) + sum(cfg["sizes"][t] for t in rep) * D) * 4
+        n = (mlp_params(cfg) + sum(cfg.sizes[t] for t in rep) * D) * 4
         ar = 2 * (ranks - 1) * lat + 2 * (ranks - 1) / ranks * n / bw
     # forward: the alltoall runs behind the bottom MLP. Backward: the reverse alltoall and the
     # gradient allreduce share the link from the top MLP's first gradient on; the alltoall must
     # be done before the embedding update, the allreduce before the dense update.
     fwd = max(a2a - dense.get("bottom_fwd", 0.0), 0.0)
-    top_layers = len(cfg["top"])
+    top_layers = len(cfg.top)
     behind = (dense.get("top_bwd", 0.0) * (top_layers - 1) / top_layers + dense.get("interaction", 0.0) / 2
               + dense.get("bottom_bwd", 0.0) + emb / 2)
     bwd = max(a2a - dense.get("bottom_bwd", 0.0), a2a + ar - behind, 0.0)
     return Prediction(ranks, batch, compute, a2a, ar, fwd + bwd, compute + fwd + bwd)
 
 
-def measure_and_predict(cfg: dict, ranks_list, mode: str, *, bandwidth_gbs: float, latency_us: float,
+def measure_and_predict(cfg: ModelConfig, ranks_list, mode: str, *, bandwidth_gbs: float, latency_us: float,
                         per_rank_batch: int = BATCH, reps: int = 5, log=print) -> list:
     """Predictions for each P in ranks_list; mode 'weak' (per-rank batch fixed) or 'strong' (global fixed)."""
     cache, dense_at = {}, {}
@@ -187,9 +176,8 @@ HEADERS = ["P", "global B", "compute ms", "a2a ms/dir", "allreduce ms", "exposed
 
 
 def main(argv=None) -> int:
-    cfgs = configs()
     ap = argparse.ArgumentParser(prog="python -m jitkern scale", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", choices=sorted(cfgs), default="mlperf")
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="mlperf")
     ap.add_argument("--ranks", type=int, default=64, help="predict for this many ranks (and 1 as the base)")
     ap.add_argument("--bandwidth", type=float, default=12.5, help="per-rank link bandwidth, GB/s")
     ap.add_argument("--latency", type=float, default=5.0, help="per-message latency, microseconds")
@@ -197,11 +185,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=BATCH, help="global batch (strong) / per-rank batch (weak)")
     ap.add_argument("--threads", type=int, default=1, help="threads per rank for the measured rates")
     args = ap.parse_args(argv)
-    if args.ranks < 1 or args.bandwidth <= 0 or args.latency < 0 or args.batch < 1:
-        ap.error("--ranks and --batch must be >= 1, --bandwidth > 0, --latency >= 0")
-    from ..bench.common import print_table, set_threads
-    set_threads(args.threads)
-    cfg = cfgs[args.config]
+    if args.ranks < 1 or args.bandwidth <= 0 or args.latency < 0 or args.batch < 1 or args.threads < 1:
+        ap.error("--ranks, --batch and --threads must be >= 1, --bandwidth > 0, --latency >= 0")
+    sleep_idle_workers()                 # before the first parallel kernel starts the thread pool
+    set_num_threads(args.threads)
+    cfg = CONFIGS[args.config]
     print(f"scaling model: {args.config}, {args.bandwidth} GB/s, {args.latency} us per message, "
           f"{args.threads} thread(s) per rank, rates measured on this CPU")
     ranks = sorted({1, args.ranks})

@@ -102,6 +102,14 @@ class RandomData:
                 yield b
 
 
+def config_batches(cfg, batch_size: int, num_batches: int, seed: int = 0) -> list:
+    """The benchmarks' batches for a configs.ModelConfig: the reference's generator with a fixed
+    pooling of cfg.lookups indices per table and sample (duplicates within a bag merged)."""
+    src = RandomData(cfg.sizes, cfg.bottom[0], batch_size, num_batches, num_indices_per_lookup=cfg.lookups,
+                     fixed=True, seed=seed)
+    return list(src.batches())
+
+
 class Teacher:
     """A hidden random DLRM-like scorer: dense linear term + per-row biases + pairwise row dots."""
 

@@ -261,44 +261,19 @@ class Trainer:
             save_checkpoint(self.opts.save_model, self.model, meta)
 
     def run(self) -> TrainState:
-        st, opts, n = self.state, self.opts, len(self.train_data)
+        """Train from the current state to the end of the last epoch (or the AUC threshold);
+        evaluates and saves at the end."""
+        st, n = self.state, len(self.train_data)
         if st.batch >= n:                   # resumed from a run that finished its (shorter) epoch
             st.epoch, st.batch = st.epoch + 1, 0
-        if opts.test_freq > 0 and st.step == 0:
+        if self.opts.test_freq > 0 and st.step == 0:
             self.evaluate()                  # the untrained model's metrics, for contrast
         bar = self._progress()
-        stop, pending, since = False, [], time.perf_counter()
+        self._pending, self._since = [], time.perf_counter()
         try:
-            while st.epoch < opts.nepochs and not stop:
-                it = self.train_data.batches(st.epoch, st.batch)
-                while not stop:
-                    t0 = time.perf_counter()
-                    batch = next(it, None)
-                    t1 = time.perf_counter()
-                    if self.timer is not None:
-                        self.timer.add("data", t1 - t0)
-                    if batch is None:
-                        break
-                    try:
-                        loss = self.model.train_step(batch.dense, batch.offsets, batch.indices, batch.labels,
-                                                     self.schedule(st.step))
-                    except (ValueError, IndexError, TypeError) as e:
-                        raise type(e)(f"batch {st.batch} of epoch {st.epoch}: {e}") from None
-                    st.train_seconds += time.perf_counter() - t1
-                    st.step, st.batch, st.samples = st.step + 1, st.batch + 1, st.samples + batch.size
-                    pending.append(loss)
-                    if bar is not None:
-                        bar.update(1)
-                    last = st.batch == n and st.epoch == opts.nepochs - 1
-                    if (opts.print_freq > 0 and st.step % opts.print_freq == 0) or last:
-                        since = self._report(pending, since)
-                        pending = []
-                    if (opts.test_freq > 0 and st.step % opts.test_freq == 0) and not last:
-                        m = self.evaluate()
-                        self.save()
-                        if opts.mlperf_auc_threshold > 0 and m["auc"] >= opts.mlperf_auc_threshold:
-                            self.log(f"MLPerf AUC threshold {opts.mlperf_auc_threshold} reached; stopping")
-                            stop = True
+            stop = False
+            while st.epoch < self.opts.nepochs and not stop:
+                stop = self._run_epoch(bar)
                 if not stop:
                     st.epoch, st.batch = st.epoch + 1, 0
         finally:
@@ -309,6 +284,50 @@ class Trainer:
         self.evaluate()
         self.save()
         return st
+
+    def _run_epoch(self, bar) -> bool:
+        """The rest of the current epoch; True when the AUC threshold stopped training."""
+        it = self.train_data.batches(self.state.epoch, self.state.batch)
+        while True:
+            t0 = time.perf_counter()
+            batch = next(it, None)
+            if self.timer is not None:
+                self.timer.add("data", time.perf_counter() - t0)
+            if batch is None:
+                return False
+            self._step(batch)
+            if bar is not None:
+                bar.update(1)
+            if self._after_step():
+                return True
+
+    def _step(self, batch) -> None:
+        """One train_step at the scheduled rate; errors name the batch and epoch."""
+        st = self.state
+        t1 = time.perf_counter()
+        try:
+            loss = self.model.train_step(batch.dense, batch.offsets, batch.indices, batch.labels,
+                                         self.schedule(st.step))
+        except (ValueError, IndexError, TypeError) as e:
+            raise type(e)(f"batch {st.batch} of epoch {st.epoch}: {e}") from None
+        st.train_seconds += time.perf_counter() - t1
+        st.step, st.batch, st.samples = st.step + 1, st.batch + 1, st.samples + batch.size
+        self._pending.append(loss)
+
+    def _after_step(self) -> bool:
+        """Report, evaluate and save as the options ask; True when the AUC threshold is reached."""
+        st, opts = self.state, self.opts
+        last = st.batch == len(self.train_data) and st.epoch == opts.nepochs - 1
+        if (opts.print_freq > 0 and st.step % opts.print_freq == 0) or last:
+            self._since = self._report(self._pending, self._since)
+            self._pending = []
+        if (opts.test_freq > 0 and st.step % opts.test_freq == 0) and not last:
+            m = self.evaluate()
+            self.save()
+            if opts.mlperf_auc_threshold > 0 and m["auc"] >= opts.mlperf_auc_threshold:
+                self.log(f"MLPerf AUC threshold {opts.mlperf_auc_threshold} reached; stopping")
+                return True
+        return False
 
     def _report(self, pending, since) -> float:
         st = self.state

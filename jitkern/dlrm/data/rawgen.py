@@ -12,11 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..configs import KAGGLE_TABLES as KAGGLE_CARDINALITIES  # reference DLRM, no --max-ind-range
 from .raw import N_DENSE, N_SPARSE
 
-# the Kaggle data set's per-table cardinalities (reference DLRM, no --max-ind-range)
-KAGGLE_CARDINALITIES = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-                        27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
 _HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
 _DIGITS = 7              # dense slot: '-' + up to 6 digits
 
