@@ -7,7 +7,7 @@ import sys
 # subcommand -> (module, function, one-line help); modules are imported only when used
 COMMANDS = {
     "train": ("jitkern.dlrm.cli", "main", "train DLRM (same flags as examples/dlrm_numba.py)"),
-    "bench": ("jitkern.bench", "main", "benchmarks: gemm, embedding, interaction, dlrm, dist"),
+    "bench": ("jitkern.bench", "main", "benchmarks: gemm, embedding, interaction, dlrm, dist, data"),
     "tune": ("jitkern.tuning", "main", "tune every per-CPU knob for this CPU, store the choices in the tuning DB"),
     "info": ("jitkern.info", "main", "target CPU key, threading layer, cache dir, tuned entries"),
     "preprocess": ("jitkern.dlrm.data", "main", "Criteo raw logs -> memory-mapped binary"),

@@ -265,6 +265,15 @@ def test_cli_bad_input_is_one_line(capsys, argv, message):
     assert message in err and err.count("\n") == 1, err
 
 
+def test_cli_errors_raise_only_in_debug_mode(capsys, monkeypatch):
+    bad = TINY_CLI + ["--arch-mlp-bot", "13-32-4"]
+    monkeypatch.setenv("JITKERN_DEBUG", "0")                     # 0 is off
+    assert main(bad) == 2 and "embedding_dim 16" in capsys.readouterr().err
+    monkeypatch.setenv("JITKERN_DEBUG", "1")
+    with pytest.raises(ValueError, match="embedding_dim 16"):
+        main(bad)
+
+
 def test_cli_save_resume_inference_profile(tmp_path, capsys):
     ck = str(tmp_path / "m.ck")
     assert main(TINY_CLI + ["--num-batches", "6", "--save-model", ck, "--profile", "--test-freq", "3"]) == 0
@@ -325,3 +334,15 @@ def test_cli_default_run():
     assert "samples/s" in last and "AUC" in last and "test loss" in last
     auc = float(last.split("AUC ")[1].split(",")[0])
     assert auc > 0.75, res.stdout
+
+
+def test_cli_autotune_tunes_once_then_finds_every_entry(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JITKERN_TUNE_DB", str(tmp_path / "tune.json"))
+    argv = TINY_CLI + ["--arch-mlp-bot", "13-16", "--arch-mlp-top", "1", "--num-batches", "2", "--autotune"]
+    assert main(argv) == 0
+    line = [s for s in capsys.readouterr().out.splitlines() if s.startswith("autotune:")]
+    assert len(line) == 1 and "autotune: tuned" in line[0], line
+    assert (tmp_path / "tune.json").exists()
+    assert main(argv) == 0
+    line = [s for s in capsys.readouterr().out.splitlines() if s.startswith("autotune:")]
+    assert line == [f"autotune: every knob entry for this model's shapes was found in {tmp_path / 'tune.json'}"]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+
 def measure_link(comm, nbytes: int = 4 << 20, reps: int = 5):
     """(GB/s, seconds per message) of a ring exchange r -> r+1, the slowest rank's view."""
     from mpi4py import MPI

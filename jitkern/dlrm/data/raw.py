@@ -43,6 +43,68 @@ class RawDataError(ValueError):
     """A malformed raw line: names the file, the 1-based line number and the field."""
 
 
+@jit(inline="always")
+def _parse_line(buf, pos, r, labels, dense, cats):
+    """Parse the line at pos into row r; -> (position where it stopped: its end or the bad byte,
+    error code, field reached, empty mask (bit j set when C(j+1) is empty))."""
+    n = buf.shape[0]
+    f, acc, digits, neg = 0, 0, 0, False        # the current field, its value so far
+    mask = np.uint32(0)
+    code = OK
+    while True:
+        c = buf[pos] if pos < n else 10
+        end = c == 10 or (c == 13 and (pos + 1 >= n or buf[pos + 1] == 10))
+        if c == 9 or end:
+            if end and f != N_FIELDS - 1:
+                code = TOO_FEW_FIELDS
+                break
+            if f == 0:
+                if digits != 1 or acc > 1:
+                    code = BAD_LABEL
+                    break
+                labels[r] = acc
+            elif f <= 13:
+                dense[r, f - 1] = 0.0 if (neg or digits == 0) else np.float32(acc)
+                if neg and digits == 0:
+                    code = BAD_CHAR
+                    break
+            else:
+                cats[r, f - 14] = acc
+                if digits == 0:
+                    mask |= np.uint32(1) << np.uint32(f - 14)
+            if end:
+                break
+            f += 1
+            if f >= N_FIELDS:
+                code = TOO_MANY_FIELDS
+                break
+            acc, digits, neg = 0, 0, False
+        elif f <= 13:                      # label and dense fields: decimal
+            if c >= 48 and c <= 57:
+                acc = acc * 10 + (c - 48)
+                digits += 1
+                if digits > 18:
+                    code = TOO_LONG
+                    break
+            elif c == 45 and digits == 0 and not neg and f > 0:
+                neg = True
+            else:
+                code = BAD_CHAR
+                break
+        else:                              # categoricals: hex
+            h = _HEX_VALUE[c]
+            if h < 0:
+                code = BAD_CHAR
+                break
+            acc = acc * 16 + h
+            digits += 1
+            if digits > 8:
+                code = TOO_LONG
+                break
+        pos += 1
+    return pos, code, f, mask
+
+
 @jit()
 def _parse_lines(buf, labels, dense, cats, empty, err, err_field, err_pos):
     # buf: (n,) uint8, whole lines; labels: (R,) f32; dense: (R, 13) f32 (max(x, 0), untransformed);
@@ -52,65 +114,7 @@ def _parse_lines(buf, labels, dense, cats, empty, err, err_field, err_pos):
     pos = 0
     r = 0
     while pos < n:
-        f = 0              # current field
-        acc = 0            # value of the current field
-        digits = 0
-        neg = False
-        mask = np.uint32(0)
-        code = 0
-        while True:
-            c = buf[pos] if pos < n else 10
-            end = c == 10 or (c == 13 and (pos + 1 >= n or buf[pos + 1] == 10))
-            if c == 9 or end:
-                if end and f != N_FIELDS - 1:
-                    code = TOO_FEW_FIELDS
-                    break
-                if f == 0:
-                    if digits != 1 or acc > 1:
-                        code = BAD_LABEL
-                        break
-                    labels[r] = acc
-                elif f <= 13:
-                    dense[r, f - 1] = 0.0 if (neg or digits == 0) else np.float32(acc)
-                    if neg and digits == 0:
-                        code = BAD_CHAR
-                        break
-                else:
-                    cats[r, f - 14] = acc
-                    if digits == 0:
-                        mask |= np.uint32(1) << np.uint32(f - 14)
-                if end:
-                    break
-                f += 1
-                if f >= N_FIELDS:
-                    code = TOO_MANY_FIELDS
-                    break
-                acc = 0
-                digits = 0
-                neg = False
-            elif f <= 13:
-                if c >= 48 and c <= 57:
-                    acc = acc * 10 + (c - 48)
-                    digits += 1
-                    if digits > 18:
-                        code = TOO_LONG
-                        break
-                elif c == 45 and digits == 0 and not neg and f > 0:
-                    neg = True
-                else:
-                    code = BAD_CHAR
-                    break
-            else:
-                h = _HEX_VALUE[c]
-                if h < 0:
-                    code = BAD_CHAR
-                    break
-                acc = acc * 16 + h
-                digits += 1
-                if digits > 8:
-                    code = TOO_LONG
-                    break
-            pos += 1
+        pos, code, f, mask = _parse_line(buf, pos, r, labels, dense, cats)
         err[r] = code
         err_field[r] = f
         err_pos[r] = pos
