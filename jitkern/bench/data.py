@@ -113,7 +113,8 @@ def main(argv=None) -> int:
         t = do_bench(batch_timer(ds, a.batch_size, **kw), warmup=3, min_reps=50, min_time=0.5, max_reps=2000)
         timings.append((name, t))
     step, note = (None, "--no-model") if a.no_model else \
-        kaggle_step_time(ds, batch_timer(ds, a.batch_size)(), a.max_ind_range or None)
+        kaggle_step_time(ds, batch_timer(ds, a.batch_size, max_ind_range=a.max_ind_range or None)(),
+                         a.max_ind_range or None)
     print(f"\nbatch of {a.batch_size} from the memory-mapped output"
           + (f" vs one kaggle DLRM train_step ({step.median * 1e3:.1f} ms {step.spread()}, {note})"
              if step else f" (no DLRM step timed: {note})"))
