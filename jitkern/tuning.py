@@ -16,6 +16,7 @@ import time
 from . import ops  # noqa: F401  (importing the ops declares their knobs)
 from .codegen import knobs, tune, tunedb
 from .config import get_config
+from .dlrm.autotune import tune_for  # noqa: F401  (jitkern.tuning.tune_for, the public name)
 from .dlrm.configs import CONFIGS
 
 DEFAULT_CONFIGS = ("kaggle", "mlperf", "paper-small")
@@ -24,13 +25,6 @@ DEFAULT_CONFIGS = ("kaggle", "mlperf", "paper-small")
 def _threads() -> int:
     import numba
     return numba.get_num_threads()
-
-
-def tune_for(model, batch: int, *, quick: bool = True, threads=None, out=None) -> list:
-    """Quick-tune the knobs for `model`'s own shapes at `batch` where the DB has no entry yet;
-    later calls (and later processes) find them stored and time nothing."""
-    work = model.workload(batch, threads=(threads or _threads(),))
-    return tune.tune(work, quick=quick, only_missing=True, out=out)
 
 
 def _layer(text: str):
