@@ -160,12 +160,55 @@ def _jitkern_model(cfg, batches):
     return model, step, peak_abs - base, peak_abs, exact_peak
 
 
-def _profile(model, step, reps) -> None:
-    """--profile: jitkern's time per stage over `reps` steps."""
+def stage_work(cfg, batch: int) -> dict:
+    """stage -> (FLOPs, bytes) of one training step: the MLP GEMMs (forward 2*B*in*out per layer,
+    backward twice that but for the first layer's unused input gradient), the dot interaction
+    (B * pairs * D multiply-adds forward, twice backward), and the embedding rows moved in whole
+    cache lines (the forward reads each looked-up row; the fused update reads and writes it)."""
+    from ..dlrm.configs import interaction_width
+    top_in = interaction_width(len(cfg.sizes), cfg.dim, cfg.interaction)
+    bot = list(zip(cfg.bottom[:-1], cfg.bottom[1:]))
+    top = list(zip([top_in, *cfg.top[:-1]], cfg.top))
+    fwd = lambda layers: sum(2.0 * batch * i * o for i, o in layers)  # noqa: E731
+    f = len(cfg.sizes) + 1
+    pairs = f * (f - 1) // 2 if cfg.interaction == "dot" else 0
+    line = 64
+    row_bytes = -(-cfg.dim * 4 // line) * line
+    lookups = batch * len(cfg.sizes) * cfg.lookups
+    return {
+        "bottom_fwd": (fwd(bot), 0), "top_fwd": (fwd(top), 0),
+        "bottom_bwd": (2 * fwd(bot) - fwd(bot[:1]), 0), "top_bwd": (2 * fwd(top), 0),
+        "interaction": (6.0 * batch * pairs * cfg.dim, 0),
+        "embedding_fwd": (0, lookups * row_bytes), "embedding_upd": (0, 2 * lookups * row_bytes),
+    }
+
+
+def _profile(model, step, reps, cfg, batch, threads) -> None:
+    """--profile: jitkern's time per stage over `reps` steps, each stage's rate against this
+    machine's measured FMA peak (GEMM stages) or copy bandwidth (embedding stages), and the step
+    against its floor: every stage's FLOPs at the FMA peak plus the embedding bytes at the bandwidth."""
+    from .common import copy_bandwidth_gbs
+    from .interaction import fma_peak_gflops
+    peak = max(fma_peak_gflops() for _ in range(3)) * threads
+    bandwidth = copy_bandwidth_gbs()
     model.timer = StageTimer()
+    t0 = time.perf_counter()
     for _ in range(reps):
         step()
-    print_table(["jitkern stage", "ms/step"], [[k, f"{1e3 * v / reps:.2f}"] for k, v in model.timer.seconds.items()])
+    wall = (time.perf_counter() - t0) / reps
+    work = stage_work(cfg, batch)
+    rows, floor = [], 0.0
+    for name, total in model.timer.seconds.items():
+        sec = total / reps
+        flops, nbytes = work.get(name, (0, 0))
+        floor += flops / (peak * 1e9) + nbytes / (bandwidth * 1e9)
+        rate = (f"{flops / sec / 1e9:.1f} GFLOP/s", f"{100 * flops / sec / 1e9 / peak:.0f}%") if flops else \
+            ((f"{nbytes / sec / 1e9:.1f} GB/s", f"{100 * nbytes / sec / 1e9 / bandwidth:.0f}%") if nbytes else ("", ""))
+        rows.append([name, f"{1e3 * sec:.2f}", *rate])
+    print_table(["jitkern stage", "ms/step", "rate", "of peak"], rows)
+    print(f"measured peaks: FMA {peak:.1f} GFLOP/s ({threads} thread{'s' * (threads > 1)}), copy {bandwidth:.1f} GB/s; "
+          f"step floor {floor * 1e3:.1f} ms (FLOPs at the FMA peak + embedding bytes at the copy bandwidth); "
+          f"profiled step {wall * 1e3:.1f} ms = {wall / floor:.2f}x the floor")
     model.timer = StageTimer()
 
 
@@ -197,7 +240,7 @@ def main(argv=None) -> int:
     model, jk_step, peak, peak_abs, exact_peak = _jitkern_model(cfg, batches)
     pbytes = model.parameter_bytes()
     if args.profile:
-        _profile(model, jk_step, args.reps)
+        _profile(model, jk_step, args.reps, cfg, args.batch_size, args.threads)
 
     steps = {"jitkern": jk_step}
     torch = None if args.no_torch else torch_or_none()
