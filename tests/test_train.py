@@ -289,10 +289,12 @@ def test_cli_save_resume_inference_profile(tmp_path, capsys):
     assert "not a jitkern DLRM checkpoint" in capsys.readouterr().err
 
 
-def test_cli_plot_without_matplotlib_says_so(tmp_path, capsys, monkeypatch):
+def test_cli_plot_without_matplotlib_fails_before_training(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert main(TINY_CLI + ["--num-batches", "2", "--plot", str(tmp_path / "c.png")]) == 0
-    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert main(TINY_CLI + ["--num-batches", "2", "--plot", str(tmp_path / "c.png")]) == 2
+    out, err = capsys.readouterr()
+    assert "--plot" in err and "matplotlib is not installed" in err and err.count("\n") == 1, err
+    assert out == ""                                      # found before any work: no model was built
     assert not (tmp_path / "c.png").exists()
 
 

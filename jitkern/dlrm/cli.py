@@ -15,12 +15,14 @@ import time
 from .. import set_num_threads
 from ..config import debug_level, get_config, sleep_idle_workers
 from ..report import print_table
+from . import preflight
 from .autotune import tune_for, tune_for_ranks
 from .data import iterate_batches, load_preprocessed, table_sizes
-from .launch import comm_from_env
+from .interrupt import Interrupted, raising_signals
+from .launch import comm_from_env, launch_rank, write_lines
 from .model import DLRM, StageTimer
 from .synth import RandomData, SyntheticData
-from .train import LRSchedule, TrainOptions, Trainer, load_checkpoint, read_checkpoint_header, state_from_meta
+from .train import LRSchedule, TrainOptions, Trainer, arch_dict, load_checkpoint, state_from_meta
 
 PROG = "dlrm"
 
@@ -126,14 +128,19 @@ def build_data(args, sizes, num_dense):
     test_bs = args.test_mini_batch_size if args.test_mini_batch_size > 0 else args.mini_batch_size
     if args.data_generation == "dataset":
         if not args.processed_data_file:
+            if args.raw_data_file:
+                preflight.check_raw_file(args.raw_data_file)
             hint = f" --raw {args.raw_data_file}" if args.raw_data_file else " --raw FILE"
             raise ValueError("--data-generation dataset needs --processed-data-file DIR; make it with "
                              f"`python -m jitkern preprocess{hint} --out DIR`")
         common = dict(seed=args.numpy_rand_seed, max_ind_range=args.max_ind_range)
-        train = DatasetData(args.processed_data_file, "train", args.mini_batch_size, args.num_batches,
-                            shuffle=args.data_randomize == "total", **common)
-        test = DatasetData(args.processed_data_file, "test", test_bs, args.num_test_batches,
-                           shuffle=False, **common)
+        try:
+            train = DatasetData(args.processed_data_file, "train", args.mini_batch_size, args.num_batches,
+                                shuffle=args.data_randomize == "total", **common)
+            test = DatasetData(args.processed_data_file, "test", test_bs, args.num_test_batches,
+                               shuffle=False, **common)
+        except (ValueError, OSError) as e:
+            raise type(e)(f"--processed-data-file: {e}") from None
         return train, test
     if args.num_batches <= 0 and not (args.data_generation == "random" and args.data_size > 0):
         raise ValueError("--num-batches must be > 0 for generated data (or give --data-size with random)")
@@ -209,11 +216,23 @@ def _architecture(args):
     return train_data.embedding_sizes, bot, top, train_data, test_data
 
 
-def _check_flags(args) -> None:
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
-    if args.mini_batch_size < 1:
-        raise ValueError(f"--mini-batch-size must be >= 1, got {args.mini_batch_size}")
+def _preflight(args, comm):
+    """Everything the run needs later, checked before the model is built or a kernel compiled;
+    -> (embedding sizes, bottom MLP, top MLP, train data, test data)."""
+    preflight.check_values(args)
+    if args.threads:
+        set_num_threads(args.threads)
+    sizes, bot, top, train_data, test_data = _architecture(args)
+    LRSchedule(args.learning_rate, args.lr_num_warmup_steps, args.lr_decay_start_step, args.lr_num_decay_steps)
+    if args.load_model:
+        arch = arch_dict(sizes, args.arch_sparse_feature_size, bot, top, args.arch_interaction_op,
+                         args.arch_interaction_itself)
+        preflight.check_load_source(args.load_model, arch)
+    if args.save_model and not args.inference_only:
+        preflight.check_save_target(args.save_model, sharded=comm is not None)
+    if args.plot and not args.inference_only:
+        preflight.check_plot_target(args.plot)
+    return sizes, bot, top, train_data, test_data
 
 
 def _rank_log(comm, log):
@@ -284,15 +303,9 @@ def _train_and_report(args, trainer, t_start, log) -> None:
 
 
 def run(args, log=print) -> int:
-    _check_flags(args)
-    if args.threads:
-        set_num_threads(args.threads)
-    sizes, bot, top, train_data, test_data = _architecture(args)
-    LRSchedule(args.learning_rate, args.lr_num_warmup_steps, args.lr_decay_start_step, args.lr_num_decay_steps)
-    if args.load_model:
-        read_checkpoint_header(args.load_model)      # a foreign or truncated file fails before the model is built
     comm = comm_from_env()                           # under `mpiexec -n P`: hybrid parallel
     log = _rank_log(comm, log)
+    sizes, bot, top, train_data, test_data = preflight.collective(comm, lambda: _preflight(args, comm))
     t_start = time.perf_counter()
     model, state = _build_model(args, sizes, bot, top, comm, log, len(train_data))
     if args.autotune:
@@ -308,17 +321,29 @@ def run(args, log=print) -> int:
     return 0
 
 
+def _interrupted(e: Interrupted) -> int:
+    """The one line an interrupt prints (on stderr; once when the ranks agreed on the step)."""
+    if e.step is None:
+        write_lines(f"interrupted ({e}) outside training; no checkpoint written on the way out")
+    elif launch_rank() in (None, 0):
+        saved = f"checkpoint saved to {e.saved}" if e.saved else "checkpoint not saved (no --save-model)"
+        write_lines(f"interrupted ({e}) at iteration {e.step}; {saved}")
+    return e.exit_code
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     sleep_idle_workers()                             # before the first parallel kernel starts the thread pool
-    try:
-        return run(args)
-    except (ValueError, IndexError, TypeError, KeyError, NotImplementedError, OSError) as e:
-        if debug_level():
-            raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"{PROG}: error: {msg}", file=sys.stderr)
-        return 2
+    with raising_signals():                          # SIGTERM unwinds as Ctrl-C does
+        try:
+            return run(args)
+        except Interrupted as e:
+            return _interrupted(e)
+        except preflight.CHECK_ERRORS as e:
+            if debug_level():
+                raise
+            write_lines(f"{PROG}: error: {preflight.message(e)}")
+            return 2
 
 
 if __name__ == "__main__":

@@ -121,8 +121,8 @@ def load_checkpoint(path: str, model, arch: dict) -> dict:
         e = arrays[name]
         try:
             a = np.load(os.path.join(path, e["file"]), mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as err:
-            raise ShardedCheckpointError(f"{path}: cannot read {e['file']} ({err})") from None
+        except Exception as err:     # NumPy's header parser raises whatever its tokenizer and literal_eval do
+            raise ShardedCheckpointError(f"{path}: cannot read {e['file']} ({type(err).__name__}: {err})") from None
         if a.shape != shapes[name] or a.dtype != np.float32 or _crc(a) != e["crc32"]:
             raise ShardedCheckpointError(f"{path}: {e['file']} is corrupt (shape, dtype or checksum mismatch)")
         loaded[name] = a

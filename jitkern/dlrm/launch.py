@@ -11,11 +11,40 @@ import os
 import socket
 import sys
 import time
+import traceback
 
 from . import peer_watch
 
-# Environment variables that launchers set for every rank, and that hold the world size.
+# Environment variables that launchers set for every rank: the world size, and the rank.
 _WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def _env_int(names):
+    for var in names:
+        try:
+            return int(os.environ[var])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def launch_rank():
+    """This process's rank when a launcher started more than one, else None (MPI untouched)."""
+    size = _env_int(_WORLD_SIZE_VARS)
+    return _env_int(_RANK_VARS) if size is not None and size > 1 else None
+
+
+def write_lines(text: str, stream=None) -> None:
+    """Write `text` to `stream` (stderr) as whole lines, one write and flush each, prefixed
+    `[rank R] ` under a multi-rank launch: mpiexec forwards each rank's writes as they come, so a
+    line written in pieces (print writes its newline apart) could be joined with another rank's."""
+    stream = sys.stderr if stream is None else stream
+    rank = launch_rank()
+    prefix = "" if rank is None else f"[rank {rank}] "
+    for line in text.rstrip("\n").split("\n"):
+        stream.write(f"{prefix}{line}\n")
+        stream.flush()
 
 
 def comm_from_env():
@@ -76,16 +105,13 @@ def install_fault_handlers(comm) -> None:
     comm.Barrier()          # and are all open before their names go
     peer_watch.cleanup()
 
-    previous_hook = sys.excepthook
-
     def excepthook(kind, value, tb):
         # the naming line first: mpiexec may drop a dying rank's last output while it tears
         # the job down, and a short pause lets its I/O forwarding drain before the abort
         peer_watch.disarm()  # the others are about to be killed: this rank has said what happened
-        sys.stderr.write(f"jitkern: rank {rank} of {size} failed: {kind.__name__}: {value}; aborting all ranks\n")
         sys.stderr.flush()
-        previous_hook(kind, value, tb)
-        sys.stderr.flush()
+        write_lines(f"jitkern: rank {rank} of {size} failed: {kind.__name__}: {value}; aborting all ranks")
+        write_lines("".join(traceback.format_exception(kind, value, tb)))
         time.sleep(ABORT_DRAIN_S)
         comm.Abort(1)
 
@@ -107,8 +133,8 @@ def _exit_together(comm) -> None:
     while not req.Test():
         if time.monotonic() > deadline:
             rank, size = comm.Get_rank(), comm.Get_size()
-            sys.stderr.write(f"jitkern: rank {rank} of {size} is exiting but other ranks did not finish "
-                             f"within {EXIT_GRACE_S:.0f} s (one exited early or is stuck); aborting all ranks\n")
             sys.stderr.flush()
+            write_lines(f"jitkern: rank {rank} of {size} is exiting but other ranks did not finish "
+                        f"within {EXIT_GRACE_S:.0f} s (one exited early or is stuck); aborting all ranks")
             comm.Abort(1)
         time.sleep(0.01)

@@ -30,6 +30,7 @@ from .configs import dlrm_workload, interaction_width
 INTERACTIONS = ("dot", "cat")
 PRECISIONS = ("fp32", "bf16")
 _INIT_CHUNK = 1 << 16          # table rows drawn per call: no float64 copy of a table; cache-sized
+_LR_MAX = float(np.finfo(np.float32).max)
 
 
 class StageTimer:
@@ -461,8 +462,9 @@ class DLRM:
         if check:
             self.check_batch(dense, offsets, indices, labels)
         lr = float(lr)
-        if not np.isfinite(lr):
-            raise ValueError(f"lr must be finite, got {lr}")
+        if not (0 <= lr <= _LR_MAX):                 # NaN fails too
+            raise ValueError(f"lr must be finite and >= 0 (in float32, the precision updates apply it in), "
+                             f"got {lr}")
         return lr
 
     def train_step(self, dense, offsets, indices, labels, lr, *, check=True) -> float:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .atomic import atomic_write
+from .interrupt import Interrupted, deferred_signals
 from .metrics import evaluate_scores
 from .model import DLRM, StageTimer
 
@@ -37,8 +38,9 @@ class LRSchedule:
     MIN_LR = 1e-7
 
     def __post_init__(self):
-        if not math.isfinite(self.base_lr) or self.base_lr < 0:
-            raise ValueError(f"learning rate must be finite and >= 0, got {self.base_lr}")
+        if not 0 <= self.base_lr <= float(np.finfo(np.float32).max):      # NaN fails too
+            raise ValueError(f"learning rate must be finite and >= 0 (in float32, the precision updates "
+                             f"apply it in), got {self.base_lr}")
         if min(self.warmup_steps, self.decay_start_step, self.decay_steps) < 0:
             raise ValueError("LR warmup/decay step counts must be >= 0")
         if self.decay_steps > 0 and self.decay_start_step < self.warmup_steps:
@@ -82,19 +84,27 @@ def evaluate(model: DLRM, batches) -> dict:
 
 # --------------------------------------------------------------------------- checkpoints
 
-_MAGIC = b"JITKERN-DLRM-CK1"           # 16 bytes: format name and version
+_MAGIC = b"JITKERN-DLRM-CK2"           # 16 bytes: format name and version
+_MAGIC_V1 = b"JITKERN-DLRM-CK1"        # read too: its end record has no header checksum
 _END = b"JITKERN-DLRM-END"
 _ALIGN = 64
+_TAIL = {_MAGIC: "<QQI", _MAGIC_V1: "<QQ"}      # after _END: data bytes, header bytes[, header crc32]
 
 
 class CheckpointError(ValueError):
     """A file that is not a complete jitkern DLRM checkpoint, or one for another architecture."""
 
 
+def arch_dict(embedding_sizes, embedding_dim, bottom_mlp, top_mlp, interaction="dot", self_interaction=False) -> dict:
+    """The architecture a checkpoint records (top_mlp without its derived input width)."""
+    return {"embedding_sizes": [int(r) for r in embedding_sizes], "embedding_dim": int(embedding_dim),
+            "bottom_mlp": [int(n) for n in bottom_mlp], "top_mlp": [int(n) for n in top_mlp],
+            "interaction": interaction, "self_interaction": bool(self_interaction)}
+
+
 def model_arch(model: DLRM) -> dict:
-    return {"embedding_sizes": model.embedding_sizes, "embedding_dim": model.embedding_dim,
-            "bottom_mlp": model.bottom_mlp, "top_mlp": model.top_mlp[1:], "interaction": model.interaction,
-            "self_interaction": model.self_interaction}
+    return arch_dict(model.embedding_sizes, model.embedding_dim, model.bottom_mlp, model.top_mlp[1:],
+                     model.interaction, model.self_interaction)
 
 
 def save_checkpoint(path: str, model: DLRM, meta: dict) -> None:
@@ -122,9 +132,55 @@ def save_checkpoint(path: str, model: DLRM, meta: dict) -> None:
             e["crc32"] = c
         blob = json.dumps(header).encode()
         f.write(blob)
-        f.write(_END + struct.pack("<QQ", offset, len(blob)))
+        f.write(_END + struct.pack(_TAIL[_MAGIC], offset, len(blob), zlib.crc32(blob)))
         f.seek(0)
         f.write(_MAGIC)
+
+
+def _read_header_blob(path: str, f, size: int) -> bytes:
+    """The header's JSON bytes, after checking magic, end record, sizes and (v2) its checksum."""
+    magic = f.read(16)
+    if magic not in _TAIL:
+        raise CheckpointError(f"{path}: not a jitkern DLRM checkpoint (bad magic)")
+    tail = len(_END) + struct.calcsize(_TAIL[magic])
+    if size < 16 + tail:
+        raise CheckpointError(f"{path}: truncated checkpoint ({size} bytes)")
+    f.seek(size - tail)
+    end = f.read(tail)
+    if end[:len(_END)] != _END:
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint (no end marker)")
+    data_bytes, hlen, *crc = struct.unpack(_TAIL[magic], end[len(_END):])
+    if 16 + data_bytes + hlen + tail != size:
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint (size {size} does not match)")
+    f.seek(16 + data_bytes)
+    blob = f.read(hlen)
+    if crc and zlib.crc32(blob) != crc[0]:
+        raise CheckpointError(f"{path}: checksum mismatch in the header (corrupt checkpoint)")
+    return blob
+
+
+def _check_header(path: str, header) -> dict:
+    """The parsed header if it has the structure save_checkpoint writes, else CheckpointError."""
+    try:
+        ok = isinstance(header["arch"], dict) and isinstance(header["meta"], dict)
+        for e in header["arrays"]:
+            ok = ok and isinstance(e["name"], str) and isinstance(e["dtype"], str) and \
+                all(isinstance(v, int) and v >= 0 for v in [e["offset"], e["nbytes"], e["crc32"], *e["shape"]]) \
+                and e["offset"] + e["nbytes"] <= header["data_bytes"]
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path}: corrupt checkpoint header")
+    return header
+
+
+def is_checkpoint_file(path) -> bool:
+    """Whether `path` is a file that starts as a jitkern DLRM checkpoint does (any version)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) in _TAIL
+    except OSError:
+        return False
 
 
 def read_checkpoint_header(path: str) -> dict:
@@ -135,25 +191,12 @@ def read_checkpoint_header(path: str) -> dict:
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            magic = f.read(16)
-            if magic != _MAGIC:
-                raise CheckpointError(f"{path}: not a jitkern DLRM checkpoint (bad magic)")
-            if size < 16 + len(_END) + 16:
-                raise CheckpointError(f"{path}: truncated checkpoint ({size} bytes)")
-            f.seek(size - len(_END) - 16)
-            end = f.read(len(_END) + 16)
-            if end[:len(_END)] != _END:
-                raise CheckpointError(f"{path}: truncated or corrupt checkpoint (no end marker)")
-            data_bytes, hlen = struct.unpack("<QQ", end[len(_END):])
-            if 16 + data_bytes + hlen + len(_END) + 16 != size:
-                raise CheckpointError(f"{path}: truncated or corrupt checkpoint (size {size} does not match)")
-            f.seek(16 + data_bytes)
-            header = json.loads(f.read(hlen))
+            header = json.loads(_read_header_blob(path, f, size))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise CheckpointError(f"{path}: corrupt checkpoint header") from None
-    return header
+    return _check_header(path, header)
 
 
 def load_checkpoint(path: str, model: DLRM) -> dict:
@@ -171,7 +214,7 @@ def load_checkpoint(path: str, model: DLRM) -> dict:
     if set(entries) != set(shapes):
         raise CheckpointError(f"{path}: checkpoint arrays do not match the model's parameters")
     for name, e in entries.items():
-        if tuple(e["shape"]) != shapes[name] or e["dtype"] != "float32":
+        if tuple(e["shape"]) != shapes[name] or e["dtype"] != "float32" or e["nbytes"] != 4 * math.prod(shapes[name]):
             raise CheckpointError(f"{path}: {name} is {e['dtype']} {e['shape']}, expected float32 {shapes[name]}")
     with open(path, "rb") as f:
         for name, e in entries.items():             # first pass: checksums, before touching the model
@@ -179,7 +222,8 @@ def load_checkpoint(path: str, model: DLRM) -> dict:
             crc, left = 0, e["nbytes"]
             while left:
                 chunk = f.read(min(left, 1 << 24))
-                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+                crc = zlib.crc32(chunk, crc)
+                left = left - len(chunk) if chunk else 0    # a short file ends the loop; the checksum differs
             if crc != e["crc32"]:
                 raise CheckpointError(f"{path}: checksum mismatch in {name} (corrupt checkpoint)")
         sd = model.state_dict()                      # live arrays: read straight into the parameters
@@ -218,6 +262,7 @@ class TrainState:
     train_seconds: float = 0.0
     losses: list = field(default_factory=list)     # [step, mean loss since last print]
     evals: list = field(default_factory=list)      # {"step":, "loss":, "auc":, "accuracy":, "samples":}
+    pending_losses: list = field(default_factory=list)   # losses of the steps since the last print
 
 
 def _json_safe(obj):
@@ -228,6 +273,48 @@ def _json_safe(obj):
     if isinstance(obj, list):
         return [_json_safe(v) for v in obj]
     return obj
+
+
+class _StopVote:
+    """Whether to stop at a step boundary. One process: when it has received a signal. Under MPI:
+    when any rank has, by a non-blocking allreduce (max) of the ranks' signals posted at the
+    previous boundary and waited for at this one (a step's compute hides its latency), so every
+    rank stops after the same step, at most one step after the first signal."""
+
+    def __init__(self, comm):
+        self.comm = None if comm is None else comm.Dup()   # its own: never matches the model's collectives
+        self.req = None
+        self.send, self.recv = np.zeros(1, np.int64), np.zeros(1, np.int64)
+
+    def _collect(self) -> int:
+        if self.req is None:
+            return 0
+        self.req.Wait()
+        self.req = None
+        return int(self.recv[0])
+
+    def __call__(self, signum: int) -> int:
+        """At a step boundary: this process's signal (0: none) -> the agreed signal (0: go on)."""
+        if self.comm is None:
+            return signum
+        from mpi4py import MPI
+        agreed = self._collect()
+        self.send[0] = signum
+        self.req = self.comm.Iallreduce(self.send, self.recv, op=MPI.MAX)
+        return agreed
+
+    def agree(self, signum: int) -> int:
+        """Blocking: the largest signal any rank has received (0: none), the vote in flight included."""
+        if self.comm is None:
+            return signum
+        from mpi4py import MPI
+        return max(self._collect(), self.comm.allreduce(int(signum), op=MPI.MAX))
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self._collect()
+            self.comm.Free()
+            self.comm = None
 
 
 class Trainer:
@@ -262,31 +349,49 @@ class Trainer:
 
     def run(self) -> TrainState:
         """Train from the current state to the end of the last epoch (or the AUC threshold);
-        evaluates and saves at the end."""
+        evaluates and saves at the end. SIGINT/SIGTERM stop training after the current step
+        (under MPI every rank after the same one): the checkpoint is saved, then Interrupted
+        is raised."""
         st, n = self.state, len(self.train_data)
         if st.batch >= n:                   # resumed from a run that finished its (shorter) epoch
             st.epoch, st.batch = st.epoch + 1, 0
-        if self.opts.test_freq > 0 and st.step == 0:
-            self.evaluate()                  # the untrained model's metrics, for contrast
-        bar = self._progress()
-        self._pending, self._since = [], time.perf_counter()
-        try:
-            stop = False
-            while st.epoch < self.opts.nepochs and not stop:
-                stop = self._run_epoch(bar)
-                if not stop:
-                    st.epoch, st.batch = st.epoch + 1, 0
-        finally:
-            if bar is not None:
-                bar.close()
-        if st.batch == 0 and st.epoch > 0:
-            st.epoch, st.batch = st.epoch - 1, n     # position "after the last batch" of the last epoch
-        self.evaluate()
-        self.save()
+        with deferred_signals() as pending:
+            vote = _StopVote(getattr(self.model, "comm", None))
+            if self.opts.test_freq > 0 and st.step == 0:
+                self.evaluate()              # the untrained model's metrics, for contrast
+            bar = self._progress()
+            self._since = time.perf_counter()
+            try:
+                signum = self._train_epochs(bar, pending, vote)
+            finally:
+                if bar is not None:
+                    bar.close()
+            signum = vote.agree(max(signum, pending.signum))     # one during the last step too
+            if st.batch == 0 and st.epoch > 0:
+                st.epoch, st.batch = st.epoch - 1, n  # position "after the last batch" of the last epoch
+            if not signum:
+                self.evaluate()
+            self.save()
+            signum = signum or vote.agree(pending.signum)         # or during the final evaluation
+            vote.close()
+        if signum:
+            raise Interrupted(signum, st.step, self.opts.save_model or None)
         return st
 
-    def _run_epoch(self, bar) -> bool:
-        """The rest of the current epoch; True when the AUC threshold stopped training."""
+    def _train_epochs(self, bar, pending, vote) -> int:
+        """Epochs from the current position to the end, the AUC threshold or an agreed stop
+        request; -> the signal that stopped training (0: none did)."""
+        st = self.state
+        while st.epoch < self.opts.nepochs:
+            stop = self._run_epoch(bar, pending, vote)
+            if stop is not None:
+                return stop
+            st.epoch, st.batch = st.epoch + 1, 0
+        return 0
+
+    def _run_epoch(self, bar, pending, vote):
+        """The rest of the current epoch; -> None at its end, else why training stops: 0 for the
+        AUC threshold, the signal's number for an interrupt every process agreed on."""
         it = self.train_data.batches(self.state.epoch, self.state.batch)
         while True:
             t0 = time.perf_counter()
@@ -294,12 +399,15 @@ class Trainer:
             if self.timer is not None:
                 self.timer.add("data", time.perf_counter() - t0)
             if batch is None:
-                return False
+                return None
             self._step(batch)
             if bar is not None:
                 bar.update(1)
             if self._after_step():
-                return True
+                return 0
+            signum = vote(pending.signum)
+            if signum:
+                return signum
 
     def _step(self, batch) -> None:
         """One train_step at the scheduled rate; errors name the batch and epoch."""
@@ -312,15 +420,15 @@ class Trainer:
             raise type(e)(f"batch {st.batch} of epoch {st.epoch}: {e}") from None
         st.train_seconds += time.perf_counter() - t1
         st.step, st.batch, st.samples = st.step + 1, st.batch + 1, st.samples + batch.size
-        self._pending.append(loss)
+        st.pending_losses.append(loss)
 
     def _after_step(self) -> bool:
         """Report, evaluate and save as the options ask; True when the AUC threshold is reached."""
         st, opts = self.state, self.opts
         last = st.batch == len(self.train_data) and st.epoch == opts.nepochs - 1
         if (opts.print_freq > 0 and st.step % opts.print_freq == 0) or last:
-            self._since = self._report(self._pending, self._since)
-            self._pending = []
+            self._since = self._report(st.pending_losses, self._since)
+            st.pending_losses = []
         if (opts.test_freq > 0 and st.step % opts.test_freq == 0) and not last:
             m = self.evaluate()
             self.save()
@@ -353,6 +461,8 @@ class Trainer:
 def state_from_meta(meta: dict) -> TrainState:
     """The TrainState stored in a checkpoint's meta."""
     try:
-        return TrainState(**meta["state"])
+        state = TrainState(**meta["state"])
+        state.pending_losses = [math.nan if v is None else v for v in state.pending_losses]  # JSON's NaN
+        return state
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint meta lacks a valid training state ({e})") from None

@@ -5,20 +5,24 @@
     DIR/labels.npy   (N,)    float32   0 or 1
     DIR/meta.json    format, version, rows, per-array dtype/shape, splits (row ranges),
                      day offsets, cardinalities, categorical encoding, sources, statistics
-    DIR/COMPLETE     written last; a directory without it is never read
+    DIR/COMPLETE     written last, with meta.json's crc32; a directory without it is never read
 
 Rows keep file order, so every split is one contiguous row range `[start, stop)` and a
 split is a slice of the same memory maps (no copies): Kaggle's train.txt is cut into 7
 days (the first `N % 7` days one row longer) and Terabyte's day files are days; train is
 every day but the last; the last day's first ceil(n/2) rows are "test", the rest "val"
-(as the reference dlrm_data_pytorch.py). The directory is written as DIR.tmp-<pid> and
+(as the reference dlrm_data_pytorch.py). The directory is written as DIR.tmp-<host>-<pid> and
 renamed into place, so an interrupted run never leaves a DIR that looks complete.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
+import socket
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -73,18 +77,68 @@ class NpyAppender:
         self.f.close()
 
 
+def is_dataset_dir(path) -> bool:
+    """Whether `path` is a directory holding a jitkern dataset and nothing else (what --overwrite
+    may replace): its COMPLETE marker or a meta.json of this format, no other files."""
+    d = Path(path)
+    if not d.is_dir() or d.is_symlink():
+        return False
+    names = set(os.listdir(d))
+    if not names <= {MARKER, "meta.json", "empty_mask.tmp", *(f"{k}.npy" for k in ARRAYS)}:
+        return False
+    if MARKER in names:
+        return True
+    try:
+        return json.loads((d / "meta.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _stale_work_dirs(out: Path, host: str):
+    """Work directories next to `out` (OUT.tmp-HOST-PID, OUT.old-HOST-PID) left on this host by
+    processes that are gone: a killed run's. Other hosts' and live processes' are never listed,
+    nor a replaced dataset (.old-) while `out` is missing (killed between the two renames)."""
+    kinds = ("tmp", "old") if out.exists() else ("tmp",)
+    for p in out.parent.glob(f"{glob.escape(out.name)}.*-{glob.escape(host)}-*"):
+        kind, _, rest = p.name[len(out.name) + 1:].partition("-")
+        his_host, _, pid = rest.rpartition("-")
+        if kind in kinds and his_host == host and pid.isdigit() and not _alive(int(pid)):
+            yield p
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:          # another user's live process
+        return True
+    return True
+
+
 class AtomicDir:
-    """Context manager: yields a temporary directory that becomes `out` (with a COMPLETE marker) on success."""
+    """Context manager: yields a temporary directory that becomes `out` (with a COMPLETE marker
+    recording meta.json's checksum) on success. The work directories carry the host and pid
+    (OUT.tmp-HOST-PID), so stale ones of killed runs on this host are removed at the next start
+    even on a filesystem other nodes share. overwrite=True replaces only a jitkern dataset."""
 
     def __init__(self, out, *, overwrite: bool = False):
         self.out = Path(out)
-        self.tmp = self.out.with_name(f"{self.out.name}.tmp-{os.getpid()}")
-        if self.out.exists() and not overwrite:
-            raise FileExistsError(f"output directory {self.out} exists (pass overwrite=True / --overwrite)")
+        self.host = socket.gethostname()
+        self.tmp = self.out.with_name(f"{self.out.name}.tmp-{self.host}-{os.getpid()}")
+        if self.out.exists() or self.out.is_symlink():
+            if not overwrite:
+                raise FileExistsError(f"output directory {self.out} exists (pass overwrite=True / --overwrite)")
+            if not is_dataset_dir(self.out):
+                raise FileExistsError(f"output directory {self.out} is not a jitkern dataset (no {MARKER} or "
+                                      "meta.json, or other files in it): not replacing it; remove it yourself "
+                                      "or choose another --out")
         self.overwrite = overwrite
 
     def __enter__(self) -> Path:
         self.out.parent.mkdir(parents=True, exist_ok=True)
+        for stale in _stale_work_dirs(self.out, self.host):
+            shutil.rmtree(stale, ignore_errors=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir()
         return self.tmp
@@ -93,15 +147,41 @@ class AtomicDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
-        (self.tmp / MARKER).write_text("ok\n")
+        (self.tmp / MARKER).write_text(_marker_text(self.tmp))
         old = None
         if self.out.exists():
-            old = self.out.with_name(f"{self.out.name}.old-{os.getpid()}")
+            old = self.out.with_name(f"{self.out.name}.old-{self.host}-{os.getpid()}")
             os.rename(self.out, old)
         os.rename(self.tmp, self.out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return False
+
+
+def _marker_text(dir_: Path) -> str:
+    meta = dir_ / "meta.json"
+    return f"ok meta.json crc32 {zlib.crc32(meta.read_bytes()):08x}\n" if meta.exists() else "ok\n"
+
+
+def _check_marker(d: Path) -> None:
+    """COMPLETE present, and meta.json's checksum as it records (a bare "ok": an older dataset)."""
+    try:
+        text = (d / MARKER).read_text()
+    except FileNotFoundError:
+        raise LayoutError(f"{d} is incomplete (no {MARKER} marker): an interrupted preprocess? run it again") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise LayoutError(f"{d / MARKER}: unreadable: {e}") from None
+    if text == "ok\n":
+        return
+    m = re.fullmatch(r"ok meta\.json crc32 ([0-9a-f]{8})\n", text)
+    if m is None:
+        raise LayoutError(f"{d / MARKER}: corrupt completion marker")
+    try:
+        crc = zlib.crc32((d / "meta.json").read_bytes())
+    except OSError as e:
+        raise LayoutError(f"{d / 'meta.json'}: unreadable: {e}") from None
+    if crc != int(m.group(1), 16):
+        raise LayoutError(f"{d / 'meta.json'}: checksum mismatch (corrupt or edited meta.json)")
 
 
 def day_splits(day_rows) -> dict:
@@ -167,8 +247,10 @@ def read_meta(dir_) -> dict:
         raise LayoutError(f"{d} is incomplete (no {MARKER} marker): an interrupted preprocess? run it again")
     try:
         meta = json.loads((d / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise LayoutError(f"{d / 'meta.json'}: unreadable: {e}") from None
+    if not isinstance(meta, dict):
+        raise LayoutError(f"{d / 'meta.json'}: not a JSON object")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise LayoutError(f"{d / 'meta.json'}: format {meta.get('format')!r} version {meta.get('version')!r}, "
                           f"expected {FORMAT!r} version {VERSION}")
@@ -176,7 +258,7 @@ def read_meta(dir_) -> dict:
         n = int(meta["rows"])
         cards = [int(c) for c in meta["cardinalities"]]
         splits = {k: tuple(int(x) for x in meta["splits"][k]) for k in SPLITS}
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise LayoutError(f"{d / 'meta.json'}: missing or malformed entry: {e}") from None
     if len(cards) != N_SPARSE or min(cards) < 1:
         raise LayoutError(f"{d / 'meta.json'}: cardinalities must be {N_SPARSE} ints >= 1, got {cards}")
@@ -197,8 +279,8 @@ def open_npy(path, dtype, shape) -> np.memmap:
             read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                     else np.lib.format.read_array_header_2_0)
             hdr = read(f)
-        except (ValueError, OSError, SyntaxError) as e:
-            raise LayoutError(f"{path}: not a valid .npy file: {e}") from None
+        except Exception as e:       # NumPy's header parser raises whatever its tokenizer and literal_eval do
+            raise LayoutError(f"{path}: not a valid .npy file: {type(e).__name__}: {e}") from None
         offset = f.tell()
     got_shape, fortran, got_dtype = hdr
     if fortran or got_dtype != np.dtype(dtype) or tuple(got_shape) != tuple(shape):
@@ -215,15 +297,22 @@ def open_npy(path, dtype, shape) -> np.memmap:
 
 
 def open_layout(dir_) -> tuple[dict, dict]:
-    """(meta, {"dense", "sparse", "labels": read-only memmaps of all rows}) of a preprocessed dir."""
+    """(meta, {"dense", "sparse", "labels": read-only memmaps of all rows}) of a preprocessed dir;
+    meta.json's checksum is checked last, after the checks that can say what is inconsistent."""
     meta = read_meta(dir_)
     arrays = {}
     for name, (dt, shp) in ARRAYS.items():
-        spec = meta.get("arrays", {}).get(name, {})
+        try:
+            spec = meta.get("arrays", {}).get(name, {})
+            file, want = str(spec.get("file", f"{name}.npy")), spec.get("shape")
+            want = None if want is None else tuple(int(n) for n in want)
+        except (AttributeError, TypeError, ValueError):
+            raise LayoutError(f"{Path(dir_) / 'meta.json'}: malformed arrays.{name}") from None
         shape = (int(meta["rows"]), *shp)
-        if spec.get("shape") is not None and tuple(spec["shape"]) != shape:
-            raise LayoutError(f"{Path(dir_) / 'meta.json'}: arrays.{name}.shape {spec['shape']} does not "
+        if want is not None and want != shape:
+            raise LayoutError(f"{Path(dir_) / 'meta.json'}: arrays.{name}.shape {list(want)} does not "
                               f"match rows={meta['rows']}")
-        arrays[name] = open_npy(Path(dir_) / spec.get("file", f"{name}.npy"), dt, shape)
+        arrays[name] = open_npy(Path(dir_) / file, dt, shape)
+    _check_marker(Path(dir_))
     return meta, arrays
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..interrupt import Interrupted, raising_signals
 from .layout import ARRAYS, HEADER_BYTES, AtomicDir, NpyAppender, base_meta, kaggle_days, write_meta
 from .idmap import IdTable
 from .raw import DEFAULT_CHUNK_BYTES, N_SPARSE, RawDataError, iter_chunks, parse_chunk
@@ -146,6 +147,21 @@ def _pass1(raw_files, tmp, mask_path, counter, max_ind_range, skip_bad_lines, ch
     return writers["labels"].rows, raw_bytes
 
 
+def _check_days(day_rows, days, sources) -> None:
+    """Every split non-empty: each day has rows, the last day at least 2 (its halves are test and
+    val). days: the kaggle --days (None: terabyte, one file per day)."""
+    if days is not None:
+        if day_rows[-1] < 2:
+            n = sum(day_rows)
+            raise RawDataError(f"days={days} (--days): the data has {n} rows, too few for {days} days with "
+                               f"non-empty train, test and val splits (at most {n // 2} days)")
+        return
+    for rows, src in zip(day_rows, sources):
+        if rows < (2 if src is sources[-1] else 1):
+            raise RawDataError(f"{src['path']}: {rows} row(s): every day needs rows, and the last day at least "
+                               "2 (its halves are the test and val splits)")
+
+
 def day_order(paths):
     """Terabyte day files in day order: by N when every name is day_N[.ext] (a shell glob sorts
     day_10 before day_2), else as given."""
@@ -173,6 +189,8 @@ def preprocess(raw_files, out, *, dataset: str = "kaggle", days: int = 7, max_in
     for p in raw_files:
         if not p.is_file():
             raise FileNotFoundError(f"raw file not found: {p}")
+        if p.stat().st_size == 0:
+            raise RawDataError(f"{p}: empty raw file (no rows)")
     if dataset == "terabyte":
         raw_files = day_order(raw_files)
     hashing = max_ind_range is not None and min_frequency is None
@@ -202,6 +220,7 @@ def preprocess(raw_files, out, *, dataset: str = "kaggle", days: int = 7, max_in
                            "rare_id": 1, "max_ind_range": max_ind_range,
                            "order": "descending count, ties by hash value"}
         day_rows = kaggle_days(n, days) if dataset == "kaggle" else [s["rows"] for s in sources]
+        _check_days(day_rows, days if dataset == "kaggle" else None, sources)
         secs = time.perf_counter() - t0
         stats = {"seconds": round(secs, 3), "raw_bytes": raw_bytes, "mb_per_s": round(raw_bytes / secs / 1e6, 2),
                  "rows_per_s": round(n / secs), "bad_lines_skipped": sum(s["bad_lines_skipped"] for s in sources)}
@@ -243,14 +262,19 @@ def main(argv=None) -> int:
     ap.add_argument("--min-frequency", type=int, default=None,
                     help="frequency mode: values seen fewer times share one id (default 1)")
     ap.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed lines")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an existing output directory if it holds a jitkern dataset (nothing else)")
     ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / 2**20, help="read chunk size")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     try:
-        meta = preprocess(a.raw, a.out, dataset=a.dataset, days=a.days, max_ind_range=a.max_ind_range,
-                          min_frequency=a.min_frequency, skip_bad_lines=a.skip_bad_lines,
-                          overwrite=a.overwrite, chunk_bytes=int(a.chunk_mb * 2**20), progress=not a.quiet)
+        with raising_signals():         # SIGTERM unwinds as Ctrl-C does: the work directory is removed
+            meta = preprocess(a.raw, a.out, dataset=a.dataset, days=a.days, max_ind_range=a.max_ind_range,
+                              min_frequency=a.min_frequency, skip_bad_lines=a.skip_bad_lines,
+                              overwrite=a.overwrite, chunk_bytes=int(a.chunk_mb * 2**20), progress=not a.quiet)
+    except Interrupted as e:
+        print(f"preprocess: interrupted ({e}); {a.out} not written", file=sys.stderr)
+        return e.exit_code
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"preprocess: error: {e}", file=sys.stderr)
         return 1

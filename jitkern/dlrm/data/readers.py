@@ -176,9 +176,13 @@ def load_torchrec(path, split: str = "train") -> CriteoDataset:
             if not f.is_file():
                 raise LayoutError(f"{f}: missing (day {day} has a labels file)")
             try:
-                arrs[k] = np.load(f, mmap_mode="r")
-            except ValueError as e:
-                raise LayoutError(f"{f}: unreadable or truncated: {e}") from None
+                arrs[k] = np.load(f, mmap_mode="r", allow_pickle=False)
+            except Exception as e:   # NumPy's header parser raises whatever its tokenizer and literal_eval do
+                raise LayoutError(f"{f}: unreadable or truncated: {type(e).__name__}: {e}") from None
+            a = arrs[k]
+            if getattr(a, "offset", 0) + a.nbytes != f.stat().st_size:     # np.load checks only "enough"
+                raise LayoutError(f"{f}: {f.stat().st_size} bytes, not a header and {a.dtype} {a.shape} "
+                                  "(corrupt header or trailing bytes)")
         n = len(arrs["labels"])
         want = {"dense": (n, N_DENSE), "sparse": (n, N_SPARSE)}
         for k, shp in want.items():
