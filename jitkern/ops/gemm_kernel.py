@@ -9,8 +9,9 @@ packs its mc x kc slice of A (or reads a plain row-major A in place) and sweeps 
 kernel over it. A C block belongs to one task and its K passes run in a fixed order, so
 results are bit-identical run to run and for any thread count.
 
-Helpers are inlined into the driver; the compile-time tile shape reaches them as `code` (or
-MR / NR) passed from inside the parallel loops, where it is a constant.
+Helpers are inlined into the driver (inline="always"). The driver passes them the tile shape
+(`code`, or MR / NR) from inside its prange loops: a value from outside a prange loop reaches the
+loop body as a runtime argument, where LLVM could no longer fold it.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import functools
 import logging
 import threading
 
-import numba
 import numpy as np
 from numba import prange
 
