@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jitkern.codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+from jitkern.codegen.simd import fma_tile, tile_code
 from jitkern.codegen.target import VECTOR_WIDTH
 
 
@@ -136,3 +137,38 @@ def test_kernel_cache_stamp_covers_every_kernel_source(tmp_path):
     locator = embedding_update._link_rows._cache._impl._locator
     assert type(locator).__name__.startswith("Jitkern")
     assert locator.get_source_stamp() == cache.source_stamp(cache.PACKAGE, embedding_update.__file__)
+
+
+_TILE = tile_code(4, 8, 4)  # a 4 x 8 tile of <4 x float> vectors: valid on every CPU
+
+
+@jit()
+def _one_tile(a, b, c, bias, geo, flags):
+    kc, aoff, ak, ar, boff, ldb, coff, ldc = geo
+    fma_tile(_TILE, kc, (a, aoff, ak, ar), (b, boff, ldb), (c, coff, ldc), (bias, 3), flags)
+
+
+def test_fma_tile_strides_offsets_and_epilogue():
+    """One register tile against NumPy: A read through (k, row) strides, B and C through row strides
+    at offsets, for every (load, epi, use_bias, relu); integer values, so exact."""
+    mr, nr, kc = 4, 8, 5
+    rng = np.random.default_rng(0)
+    lda, ldb, ldc = 9, nr + 5, nr + 2
+    a = rng.integers(-4, 5, 2 + mr * lda).astype(np.float32)       # A[r, k] at 2 + r * lda + k
+    b = rng.integers(-4, 5, 7 + kc * ldb).astype(np.float32)       # B[k, j] at 7 + k * ldb + j
+    c0 = rng.integers(-9, 10, 1 + mr * ldc).astype(np.float32)     # C[r, j] at 1 + r * ldc + j
+    bias = rng.integers(-9, 10, 3 + nr).astype(np.float32)
+    A = a[2:2 + mr * lda].reshape(mr, lda)[:, :kc].astype(np.float64)
+    B = b[7:7 + kc * ldb].reshape(kc, ldb)[:, :nr]
+    for flags in np.ndindex(2, 2, 2, 2):
+        load, epi, use_bias, relu = (bool(f) for f in flags)
+        c = c0.copy()
+        _one_tile(a, b, c, bias, (kc, 2, 1, lda, 7, ldb, 1, ldc), (load, epi, use_bias, relu))
+        want = A @ B + (c0[1:1 + mr * ldc].reshape(mr, ldc)[:, :nr] if load else 0)
+        if epi:
+            want = want + (bias[3:] if use_bias else 0)
+            want = np.maximum(want, 0) if relu else want
+        got = c[1:1 + mr * ldc].reshape(mr, ldc)
+        np.testing.assert_array_equal(got[:, :nr], want, err_msg=str(flags))
+        np.testing.assert_array_equal(got[:, nr:], c0[1:1 + mr * ldc].reshape(mr, ldc)[:, nr:])  # untouched
+        assert c[0] == c0[0]

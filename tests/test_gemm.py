@@ -227,3 +227,22 @@ def test_validation_names_the_argument():
         batch_reduce_gemm(np.ones((2, 3, 4), np.float32), np.ones((3, 4, 5), np.float32))
     with pytest.raises(ValueError, match="a must be 3-D"):
         batch_reduce_gemm(f32, np.ones((2, 3, 4), np.float32))
+
+
+def test_gemm_kernel_loads_from_disk_cache_in_a_new_process():
+    """The driver closes over plain ints only (tile_code), so a second process finds it on disk."""
+    import os
+    import subprocess
+    import sys
+
+    from jitkern.config import get_config
+    if not get_config().disk_cache:
+        pytest.skip("disk cache disabled")
+    code = ("import numpy as np; from jitkern.ops import gemm; "
+            "gemm(np.ones((3, 2), np.float32), np.ones((2, 5), np.float32))")
+    env = {**os.environ, "JITKERN_DEBUG": "1"}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr
+    assert any("gemm[" in line and "loaded from disk cache" in line for line in runs[1].stderr.splitlines()), \
+        runs[1].stderr

@@ -155,7 +155,7 @@ def test_dot_lower_isa_paths(monkeypatch, isa):
     monkeypatch.setenv("JITKERN_ISA", isa)
     # scalar compiles the width-1 generic kernels; avx2 keeps 16-lane vectors (LLVM splits them
     # into ymm pairs on an AVX2-only host), so it shares the native kernels here
-    assert K._spec("interaction_dot_forward", 26, 16)["W"] == (1 if isa == "scalar" else 16)
+    assert K.LANES.choose((37, 26, 16)) == {"lanes": 1 if isa == "scalar" else 16}
     rng = np.random.default_rng(5)
     for B, T, D, self_interaction in [(37, 25, 16, False), (5, 11, 13, True)]:
         x, ly = _inputs(rng, B, T, D)
@@ -167,13 +167,13 @@ def test_dot_argument_errors():
     x = np.zeros((4, 8), np.float32)
     ly = np.zeros((4, 3, 8), np.float32)
     dz = np.zeros((4, 8 + 6), np.float32)
-    with pytest.raises(TypeError, match="x must be float32"):
+    with pytest.raises(TypeError, match="x must have dtype float32"):
         K.interaction_dot_forward(x.astype(np.float64), ly)
-    with pytest.raises(TypeError, match="ly must be float32"):
+    with pytest.raises(TypeError, match="ly must have dtype float32"):
         K.interaction_dot_forward(x, ly.astype(np.float16))
-    with pytest.raises(TypeError, match=r"ly\[1\] must be float32"):
+    with pytest.raises(TypeError, match=r"ly\[1\] must have dtype float32"):
         K.interaction_dot_forward(x, [ly[:, 0], ly[:, 1].astype(np.float64)])
-    with pytest.raises(TypeError, match="x must be a numpy array"):
+    with pytest.raises(TypeError, match="x must be a numpy.ndarray"):
         K.interaction_dot_forward(x.tolist(), ly)
     with pytest.raises(ValueError, match="ly must have shape"):
         K.interaction_dot_forward(x, np.zeros((5, 3, 8), np.float32))   # B mismatch
@@ -189,7 +189,7 @@ def test_dot_argument_errors():
         K.interaction_dot_backward(dz[:, :-1], x, ly)
     with pytest.raises(ValueError, match="dz must have shape"):
         K.interaction_dot_backward(dz, x, ly, self_interaction=True)   # needs P = 10, not 6
-    with pytest.raises(TypeError, match="dz must be float32"):
+    with pytest.raises(TypeError, match="dz must have dtype float32"):
         K.interaction_dot_backward(dz.astype(np.float64), x, ly)
 
 
@@ -213,12 +213,12 @@ def test_cat_argument_errors():
     ly = np.zeros((4, 3, 8), np.float32)
     with pytest.raises(ValueError, match="dz must have shape"):
         K.interaction_cat_backward(np.zeros((4, 31), np.float32), x, ly)
-    with pytest.raises(TypeError, match="x must be float32"):
+    with pytest.raises(TypeError, match="x must have dtype float32"):
         K.interaction_cat_forward(x.astype(np.int32), ly)
 
 
 def test_fma_probe_of_the_interaction_bench_runs():
-    # the bench's peak probe uses codegen.vec directly: keep it compiling (a refactor once broke it)
+    # the bench's peak probe uses codegen.vec directly: keep it compiling
     from jitkern.bench.interaction import _fma_loop
 
     # 8 chains of m*c+m from c = 0, m = 0.5: each step c -> 0.5 c + 0.5, summed over 8 chains, 16 lanes
@@ -226,3 +226,92 @@ def test_fma_probe_of_the_interaction_bench_runs():
     for _ in range(3):
         c = 0.5 * c + 0.5
     assert _fma_loop(np.float32(0.5), 3) == np.float32(8 * c)
+
+
+# --------------------------------------------------------------------------- knobs
+
+
+@pytest.fixture
+def db(tmp_path, monkeypatch):
+    monkeypatch.setenv("JITKERN_TUNE_DB", str(tmp_path / "tune.json"))
+    monkeypatch.delenv("JITKERN_NO_TUNE", raising=False)
+
+
+def _spy(monkeypatch, name):
+    """Record the arguments of K.<name> while calling it."""
+    calls, real = [], getattr(K, name)
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+    monkeypatch.setattr(K, name, spy)
+    return calls
+
+
+def test_knob_heuristics_are_the_fixed_choices(monkeypatch):
+    from jitkern.codegen import host_target
+    monkeypatch.setenv("JITKERN_NO_TUNE", "1")
+    vw = host_target().vector_width
+    assert K.LANES.choose((300, 27, 16)) == {"lanes": 1 if vw == 1 else 16}
+    assert K.PARALLEL.choose((300, 27, 16, 2)) == {"min_per_thread": 32}
+    assert {"lanes": 16} in K.LANES.candidates((300, 27, 16), False)
+    assert {"lanes": vw} in K.LANES.candidates((300, 27, 16), False)
+
+
+@pytest.mark.parametrize("T, D", [(5, 13), (6, 32)])
+def test_every_lane_width_matches_the_reference_and_tuned_lanes_are_used(db, monkeypatch, T, D):
+    """Each width a CPU's candidates hold (1, 4, 8 native; 16), forced through the tuning DB: same
+    results as the reference, and bit-identical to each other (every lane sums its dot in d order).
+    Generic kernels (both shapes share one per width); D = 32 takes the 16 x 16 register transpose
+    at 16 lanes, D = 13 the padded rows at every width."""
+    from jitkern.codegen import tunedb
+    specs = _spy(monkeypatch, "_spec")
+    rng = np.random.default_rng(T + D)
+    x, ly = _inputs(rng, 67, T, D)
+    dz = rng.standard_normal((67, D + K.num_pairs(T + 1))).astype(np.float32)
+    first = None
+    for w in (16, 8, 4, 1):
+        tunedb.store("interaction.lanes", K.LANES.shape_class((67, T + 1, D)), {"lanes": w})
+        specs.clear()
+        z = _check_forward(x, ly, False, _as_list(ly))
+        _check_backward(dz, x, ly, False)
+        assert {args[3] for args in specs} == {w}
+        got = (z, *K.interaction_dot_backward(dz, x, ly))
+        for a, b in zip(got, first or got):
+            np.testing.assert_array_equal(a, b)
+        first = first or got
+
+
+def test_tuned_per_thread_minimum_sets_the_split(db, monkeypatch):
+    import numba
+    from jitkern.codegen import tunedb
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread only")
+    splits = _spy(monkeypatch, "_over_batch")
+    x, ly = _inputs(np.random.default_rng(7), 100, 26, 16)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(2)
+        z = K.interaction_dot_forward(x, ly)
+        assert splits[-1][2] == 2                      # 100 // 32 >= 2: split
+        tunedb.store("interaction.parallel", K.PARALLEL.shape_class((100, 27, 16, 2)), {"min_per_thread": 64})
+        np.testing.assert_array_equal(K.interaction_dot_forward(x, ly), z)
+        assert splits[-1][2] == 1                      # 100 // 64 == 1: one thread
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_tuner_stores_interaction_entries(db):
+    import numba
+    from jitkern.codegen import knobs, tune, tunedb
+    threads = (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,)
+    results = tune.tune(knobs.Workload(interactions=((256, 27, 16),), threads=threads), quick=True,
+                        select="interaction.*", min_time=0, out=None)
+    assert {r.knob for r in results} == {"interaction.lanes", "interaction.parallel"}
+    stored = tunedb.entries()
+    assert stored["interaction.lanes"] and len(stored["interaction.parallel"]) == len(threads)
+    for r in results:
+        if r.knob == "interaction.parallel":
+            assert r.best["min_per_thread"] in (*K._PER_THREAD, 2 * K._PER_THREAD[-1])
+        else:
+            assert r.best in K.LANES.candidates(r.problem, True)

@@ -102,13 +102,13 @@ def test_argument_errors():
         K.sigmoid_bce_forward(z, y[:3])
     with pytest.raises(ValueError, match="labels has B=5 but probs has B=4"):
         K.sigmoid_bce_backward(z, np.ones(5, np.float32))
-    with pytest.raises(TypeError, match="logits must be float32"):
+    with pytest.raises(TypeError, match="logits must have dtype float32"):
         K.sigmoid_bce_forward(z.astype(np.float64), y)
-    with pytest.raises(TypeError, match="labels must be float32"):
+    with pytest.raises(TypeError, match="labels must have dtype float32"):
         K.sigmoid_bce_forward(z, y.astype(np.int64))
-    with pytest.raises(TypeError, match="probs must be float32"):
+    with pytest.raises(TypeError, match="probs must have dtype float32"):
         K.sigmoid_bce_backward(z.astype(np.float16), y)
-    with pytest.raises(TypeError, match="logits must be a numpy array"):
+    with pytest.raises(TypeError, match="logits must be a numpy.ndarray"):
         K.sigmoid_bce_forward([0.0] * 4, y)
     with pytest.raises(ValueError, match=r"logits must be 1-D"):
         K.sigmoid_bce_forward(z.reshape(2, 2), y)

@@ -17,23 +17,19 @@ code that LLVM lowers (and may auto-vectorise) for any CPU.
 """
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
+from dataclasses import dataclass
 
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from .build import jit
 from .target import VECTOR_WIDTH
 
 # register tile (MR rows, NR columns) per ISA: the accumulators plus the NR/width B vectors and a
 # broadcast A value must fit in the register file (32 zmm / 16 ymm / 32 NEON q registers).
 # "scalar" emits width-1 vectors: plain scalar FMAs that LLVM may still SLP-vectorise.
 TILES = {"avx512": (8, 32), "avx2": (6, 16), "neon": (8, 12), "scalar": (4, 4)}
-
-# numba's disk cache keys a kernel on its own file and closure values only, so drivers that inline
-# fma_tile close over this tag: editing this file then invalidates their cached machine code.
-SOURCE_TAG = int(hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:8], 16)
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
@@ -44,111 +40,6 @@ _I1 = ir.IntType(1)
 def tile_for(isa: str) -> tuple[int, int, int]:
     """(MR, NR, vector width) of the register tile used on `isa`."""
     return (*TILES[isa], VECTOR_WIDTH[isa])
-
-
-def _vector_fn(module, name, vec):
-    fn = module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(module, ir.FunctionType(vec, [vec, vec, vec]), name=name)
-    return fn
-
-
-def _emit_tile_function(module, mr: int, nr: int, vw: int):
-    """Define (once per LLVM module) the always-inline tile function; return it."""
-    name = f"jitkern_tile_{mr}x{nr}_v{vw}"
-    fn = module.globals.get(name)
-    if fn is not None:
-        return fn
-    vec = ir.VectorType(_F32, vw)
-    fp, vp = _F32.as_pointer(), vec.as_pointer()
-    nv = nr // vw
-    fnty = ir.FunctionType(ir.VoidType(), [_I64, fp, _I64, _I64, fp, _I64, fp, _I64, _I1, _I1, fp, _I1, _I1])
-    fn = ir.Function(module, fnty, name=name)
-    fn.linkage = "internal"
-    fn.attributes.add("alwaysinline")
-    fn.attributes.add("nounwind")
-    kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu = fn.args
-    for p in (pa, pb, pc, pbias):
-        p.add_attribute("noalias")
-    fma = _vector_fn(module, f"llvm.fma.v{vw}f32", vec)
-    zero = ir.Constant(vec, [0.0] * vw)
-    bmask = ir.Constant(ir.VectorType(_I32, vw), [0] * vw)
-
-    entry = fn.append_basic_block("entry")
-    b_load = fn.append_basic_block("load_c")
-    b_head = fn.append_basic_block("k_head")
-    b_body = fn.append_basic_block("k_body")
-    b_tail = fn.append_basic_block("k_done")
-    b_epi = fn.append_basic_block("epilogue")
-    b_store = fn.append_basic_block("store")
-    bld = ir.IRBuilder(entry)
-
-    def cptr(r, v):
-        off = bld.add(bld.mul(ir.Constant(_I64, r), ldc), ir.Constant(_I64, v * vw))
-        return bld.bitcast(bld.gep(pc, [off]), vp)
-
-    roff = [bld.mul(ir.Constant(_I64, r), ar) for r in range(mr)]  # row offsets, loop-invariant
-    bld.cbranch(load, b_load, b_head)
-    bld.position_at_end(b_load)
-    loaded = [[bld.load(cptr(r, v), align=4) for v in range(nv)] for r in range(mr)]
-    bld.branch(b_head)
-
-    # K loop: accumulators are loop-carried phis, so they stay in registers
-    bld.position_at_end(b_head)
-    k = bld.phi(_I64, name="k")
-    k.add_incoming(ir.Constant(_I64, 0), entry)
-    k.add_incoming(ir.Constant(_I64, 0), b_load)
-    acc = [[bld.phi(vec) for _ in range(nv)] for _ in range(mr)]
-    for r in range(mr):
-        for v in range(nv):
-            acc[r][v].add_incoming(zero, entry)
-            acc[r][v].add_incoming(loaded[r][v], b_load)
-    bld.cbranch(bld.icmp_signed("<", k, kc), b_body, b_tail)
-
-    bld.position_at_end(b_body)
-    bbase = bld.mul(k, ldb)
-    bvec = [bld.load(bld.bitcast(bld.gep(pb, [bld.add(bbase, ir.Constant(_I64, v * vw))]), vp), align=4)
-            for v in range(nv)]
-    abase = bld.mul(k, ak)
-    new = []
-    for r in range(mr):
-        a = bld.load(bld.gep(pa, [bld.add(abase, roff[r])]), align=4)
-        ab = bld.shuffle_vector(bld.insert_element(ir.Constant(vec, ir.Undefined), a, ir.Constant(_I32, 0)),
-                                ir.Constant(vec, ir.Undefined), bmask)
-        new.append([bld.call(fma, [ab, bvec[v], acc[r][v]]) for v in range(nv)])
-    k_next = bld.add(k, ir.Constant(_I64, 1))
-    for r in range(mr):
-        for v in range(nv):
-            acc[r][v].add_incoming(new[r][v], b_body)
-    k.add_incoming(k_next, b_body)
-    bld.branch(b_head)
-
-    bld.position_at_end(b_tail)
-    bld.cbranch(epi, b_epi, b_store)
-
-    # epilogue on the registers: per-column bias, then ReLU that keeps NaN (x < 0 -> 0, else x).
-    # The flags are runtime values (this runs once per tile, so a select costs nothing); the
-    # bias pointer must be valid for NR floats even when use_bias is false.
-    bld.position_at_end(b_epi)
-    bias = [bld.load(bld.bitcast(bld.gep(pbias, [ir.Constant(_I64, v * vw)]), vp), align=4)
-            for v in range(nv)]
-    done = [[bld.select(use_bias, bld.fadd(acc[r][v], bias[v]), acc[r][v]) for v in range(nv)]
-            for r in range(mr)]
-    done = [[bld.select(relu, bld.select(bld.fcmp_ordered("<", x, zero), zero, x), x) for x in row]
-            for row in done]
-    bld.branch(b_store)
-
-    bld.position_at_end(b_store)
-    outs = [[bld.phi(vec) for _ in range(nv)] for _ in range(mr)]
-    for r in range(mr):
-        for v in range(nv):
-            outs[r][v].add_incoming(acc[r][v], b_tail)
-            outs[r][v].add_incoming(done[r][v], b_epi)
-    for r in range(mr):
-        for v in range(nv):
-            bld.store(outs[r][v], cptr(r, v), align=4)
-    bld.ret_void()
-    return fn
 
 
 def tile_code(mr: int, nr: int, vw: int) -> int:
@@ -162,38 +53,209 @@ def _decode(code: int):
     return code & 255, code >> 8 & 255, code >> 16 & 255
 
 
+@jit(inline="always")
+def tile_dims(code):
+    """(MR, NR) of a tile_code in njit code: constants once LLVM folds the literal code."""
+    return code & 255, code >> 8 & 255
+
+
+# --------------------------------------------------------------------------- the tile function
+
+
+@dataclass
+class _Tile:
+    """What the emitters of one tile function share: builder, shape, C addressing, llvm.fma."""
+    bld: ir.IRBuilder
+    mr: int
+    nv: int              # vectors per tile row: NR / vw
+    vw: int
+    pc: ir.Argument      # C's first element
+    ldc: ir.Argument     # C's row stride
+    fma: ir.Function
+
+    @property
+    def vec(self):
+        return ir.VectorType(_F32, self.vw)
+
+    def c_ptr(self, r, v):
+        """Pointer to the v-th vector of row r of C."""
+        bld = self.bld
+        off = bld.add(bld.mul(ir.Constant(_I64, r), self.ldc), ir.Constant(_I64, v * self.vw))
+        return bld.bitcast(bld.gep(self.pc, [off]), self.vec.as_pointer())
+
+    def grid(self, make):
+        """[[make(r, v) for each vector v of row r] for each row r]."""
+        return [[make(r, v) for v in range(self.nv)] for r in range(self.mr)]
+
+
+def _declare(module, name, vw):
+    """The tile function fn(kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu),
+    always inlined, its pointers noalias; and llvm.fma on <vw x float>."""
+    fp, vec = _F32.as_pointer(), ir.VectorType(_F32, vw)
+    fnty = ir.FunctionType(ir.VoidType(), [_I64, fp, _I64, _I64, fp, _I64, fp, _I64, _I1, _I1, fp, _I1, _I1])
+    fn = ir.Function(module, fnty, name=name)
+    fn.linkage = "internal"
+    fn.attributes.add("alwaysinline")
+    fn.attributes.add("nounwind")
+    for i in (1, 4, 6, 10):  # pa, pb, pc, pbias
+        fn.args[i].add_attribute("noalias")
+    fma = module.globals.get(f"llvm.fma.v{vw}f32")
+    if fma is None:
+        fma = ir.Function(module, ir.FunctionType(vec, [vec, vec, vec]), name=f"llvm.fma.v{vw}f32")
+    return fn, fma
+
+
+def _emit_k_loop(t: _Tile, blocks, init, kc, a, b):
+    """acc += a[:, k] (outer) b[k, :] for k < kc, from `init` = [(predecessor block, accumulators)].
+
+    Accumulators are loop-carried phis, so they stay in registers. a = (pa, ak, row offsets),
+    b = (pb, ldb); blocks = (head, body, exit). Returns the accumulators as seen in the exit block.
+    """
+    b_head, b_body, b_exit = blocks
+    pa, ak, roff = a
+    pb, ldb = b
+    bld, vec, vw = t.bld, t.vec, t.vw
+    bld.position_at_end(b_head)
+    k = bld.phi(_I64, name="k")
+    for block, _ in init:
+        k.add_incoming(ir.Constant(_I64, 0), block)
+    acc = t.grid(lambda r, v: bld.phi(vec))
+    for block, values in init:
+        for r in range(t.mr):
+            for v in range(t.nv):
+                acc[r][v].add_incoming(values[r][v], block)
+    bld.cbranch(bld.icmp_signed("<", k, kc), b_body, b_exit)
+
+    bld.position_at_end(b_body)
+    bbase = bld.mul(k, ldb)
+    bvec = [bld.load(bld.bitcast(bld.gep(pb, [bld.add(bbase, ir.Constant(_I64, v * vw))]), vec.as_pointer()),
+                     align=4) for v in range(t.nv)]
+    abase = bld.mul(k, ak)
+    undef, bmask = ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(_I32, vw), [0] * vw)
+    new = []
+    for r in range(t.mr):
+        x = bld.load(bld.gep(pa, [bld.add(abase, roff[r])]), align=4)
+        xs = bld.shuffle_vector(bld.insert_element(undef, x, ir.Constant(_I32, 0)), undef, bmask)
+        new.append([bld.call(t.fma, [xs, bvec[v], acc[r][v]]) for v in range(t.nv)])
+    k_next = bld.add(k, ir.Constant(_I64, 1))
+    for r in range(t.mr):
+        for v in range(t.nv):
+            acc[r][v].add_incoming(new[r][v], b_body)
+    k.add_incoming(k_next, b_body)
+    bld.branch(b_head)
+    return acc
+
+
+def _emit_epilogue(t: _Tile, acc, pbias, use_bias, relu):
+    """Per-column bias, then ReLU that keeps NaN (x < 0 -> 0, else x), on the registers.
+
+    The flags are runtime values (this runs once per tile, so a select costs nothing); the bias
+    pointer must be valid for NR floats even when use_bias is false.
+    """
+    bld, vec, vw = t.bld, t.vec, t.vw
+    zero = ir.Constant(vec, [0.0] * vw)
+    bias = [bld.load(bld.bitcast(bld.gep(pbias, [ir.Constant(_I64, v * vw)]), vec.as_pointer()), align=4)
+            for v in range(t.nv)]
+    done = t.grid(lambda r, v: bld.select(use_bias, bld.fadd(acc[r][v], bias[v]), acc[r][v]))
+    return [[bld.select(relu, bld.select(bld.fcmp_ordered("<", x, zero), zero, x), x) for x in row]
+            for row in done]
+
+
+def _emit_store(t: _Tile, incoming):
+    """C = the accumulators arriving from `incoming` = [(predecessor block, accumulators)]."""
+    bld = t.bld
+    outs = t.grid(lambda r, v: bld.phi(t.vec))
+    for block, values in incoming:
+        for r in range(t.mr):
+            for v in range(t.nv):
+                outs[r][v].add_incoming(values[r][v], block)
+    for r in range(t.mr):
+        for v in range(t.nv):
+            bld.store(outs[r][v], t.c_ptr(r, v), align=4)
+
+
+def _emit_tile_function(module, mr: int, nr: int, vw: int):
+    """Define (once per LLVM module) the always-inline tile function; return it."""
+    name = f"jitkern_tile_{mr}x{nr}_v{vw}"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    fn, fma = _declare(module, name, vw)
+    kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu = fn.args
+    names = ("entry", "load_c", "k_head", "k_body", "k_done", "epilogue", "store")
+    entry, b_load, b_head, b_body, b_tail, b_epi, b_store = (fn.append_basic_block(n) for n in names)
+    t = _Tile(ir.IRBuilder(entry), mr, nr // vw, vw, pc, ldc, fma)
+    bld = t.bld
+    roff = [bld.mul(ir.Constant(_I64, r), ar) for r in range(mr)]  # row offsets, loop-invariant
+    bld.cbranch(load, b_load, b_head)
+    bld.position_at_end(b_load)
+    loaded = t.grid(lambda r, v: bld.load(t.c_ptr(r, v), align=4))
+    bld.branch(b_head)
+    zero = t.grid(lambda r, v: ir.Constant(t.vec, [0.0] * vw))
+    acc = _emit_k_loop(t, (b_head, b_body, b_tail), [(entry, zero), (b_load, loaded)], kc, (pa, ak, roff),
+                       (pb, ldb))
+    bld.position_at_end(b_tail)
+    bld.cbranch(epi, b_epi, b_store)
+    bld.position_at_end(b_epi)
+    done = _emit_epilogue(t, acc, pbias, use_bias, relu)
+    bld.branch(b_store)
+    bld.position_at_end(b_store)
+    _emit_store(t, [(b_tail, acc), (b_epi, done)])
+    bld.ret_void()
+    return fn
+
+
+# --------------------------------------------------------------------------- the numba intrinsic
+
+_OPERANDS = {"a": 2, "b": 1, "c": 1, "bias": 0}  # strides after (array, offset)
+
+
+def _is_operand(ty, strides: int) -> bool:
+    """ty is the type of an (array, offset, *strides) tuple: flat float32 array, integers."""
+    return (isinstance(ty, types.BaseTuple) and len(ty) == 2 + strides and isinstance(ty.types[0], types.Array)
+            and ty.types[0].dtype == types.float32 and all(isinstance(x, types.Integer) for x in ty.types[1:]))
+
+
+def _operand(context, builder, ty, value):
+    """(pointer to array[offset], [strides as int64]) of an (array, offset, *strides) tuple."""
+    parts = [builder.extract_value(value, i) for i in range(len(ty))]
+    ints = [context.cast(builder, v, t, types.int64) for v, t in zip(parts[1:], ty.types[1:])]
+    data = context.make_array(ty.types[0])(context, builder, parts[0]).data
+    return builder.gep(data, [ints[0]]), ints[1:]
+
+
 # One module-level intrinsic whose tile shape arrives as a literal int: numba's disk cache keys a
 # caller on its bytecode and closure values, so drivers must close over plain ints (tile_code),
 # never over per-process objects such as intrinsics (whose pickles differ between processes).
 @intrinsic(prefer_literal=True)
-def fma_tile(typingctx, code, kc, ap, aoff, ak, ar, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff,
-             use_bias, relu):
-    """fma_tile(code, kc, ap, aoff, ak, ar, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff, use_bias, relu).
+def fma_tile(typingctx, code, kc, a, b, c, bias, flags):
+    """fma_tile(code, kc, a, b, c, bias, flags): one MR x NR register tile of C (see the module doc).
 
-    All arrays are flat float32; code = tile_code(...) must be a compile-time constant.
+    a = (array, offset, k stride, row stride), b = (array, offset, row stride), c = (array, offset,
+    row stride), bias = (array, offset): flat float32 arrays and integers; flags = (load, epi,
+    use_bias, relu) booleans; code = tile_code(...) must be a compile-time constant.
     """
-    if not isinstance(code, types.IntegerLiteral):
+    operands = {"a": a, "b": b, "c": c, "bias": bias}
+    if not isinstance(code, types.IntegerLiteral) or not isinstance(kc, types.Integer):
+        return None
+    if not all(_is_operand(operands[k], n) for k, n in _OPERANDS.items()):
+        return None
+    if not (isinstance(flags, types.BaseTuple) and len(flags) == 4
+            and all(isinstance(f, types.Boolean) for f in flags.types)):
         return None
     mr, nr, vw = _decode(code.literal_value)
-    sig = types.void(code, kc, ap, aoff, ak, ar, bp, boff, ldb, c, coff, ldc, load, epi, bias, biasoff,
-                     use_bias, relu)
 
     def codegen(context, builder, signature, args):
-        _, kc_, ap_, aoff_, ak_, ar_, bp_, boff_, ldb_, c_, coff_, ldc_, load_, epi_, bias_, biasoff_, ub_, relu_ = args
+        _, kc_, a_, b_, c_, bias_, flags_ = args
         tys = signature.args
-
-        def ptr(i, arr, off):
-            data = context.make_array(tys[i])(context, builder, arr).data
-            return builder.gep(data, [context.cast(builder, off, tys[i + 1], types.int64)])
-
-        def cast(i, v, to):
-            return context.cast(builder, v, tys[i], to)
-
+        pa, (ak, ar) = _operand(context, builder, tys[2], a_)
+        pb, (ldb,) = _operand(context, builder, tys[3], b_)
+        pc, (ldc,) = _operand(context, builder, tys[4], c_)
+        pbias, () = _operand(context, builder, tys[5], bias_)
+        load, epi, use_bias, relu = (context.cast(builder, builder.extract_value(flags_, i), t, types.boolean)
+                                     for i, t in enumerate(tys[6].types))
         fn = _emit_tile_function(builder.module, mr, nr, vw)
-        builder.call(fn, [cast(1, kc_, types.int64), ptr(2, ap_, aoff_), cast(4, ak_, types.int64),
-                          cast(5, ar_, types.int64), ptr(6, bp_, boff_), cast(8, ldb_, types.int64),
-                          ptr(9, c_, coff_), cast(11, ldc_, types.int64), cast(12, load_, types.boolean),
-                          cast(13, epi_, types.boolean), ptr(14, bias_, biasoff_), cast(16, ub_, types.boolean),
-                          cast(17, relu_, types.boolean)])
+        builder.call(fn, [context.cast(builder, kc_, tys[1], types.int64), pa, ak, ar, pb, ldb, pc, ldc,
+                          load, epi, pbias, use_bias, relu])
         return context.get_dummy_value()
-    return sig, codegen
+    return types.void(code, kc, a, b, c, bias, flags), codegen

@@ -1,6 +1,7 @@
 """<W x float> vector values for numba kernels: loads, stores, broadcast FMA and a 16 x 16 register
-transpose as LLVM vector operations, so accumulators stay in registers (W = 16 lanes: one zmm, two
-ymm or four NEON registers; W = 1 for JITKERN_ISA=scalar). Used by the interaction kernels.
+transpose as LLVM vector operations, so accumulators stay in registers. W is any compile-time
+constant: LLVM splits a vector wider than the ISA's registers (16 lanes: one zmm, two ymm or four
+NEON registers) and W = 1 is plain scalar code. Used by the interaction kernels.
 """
 from __future__ import annotations
 

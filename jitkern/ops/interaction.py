@@ -5,13 +5,15 @@ vectors into a small scratch and does all its work there; the batch is split acr
   forward:  row i of the lower triangle, z[i, j] for j < i (+1), is one vector over j: the scratch
             holds the sample transposed (D, Fp) so that z[i, j0:j0+W] += T[i, d] * Tt[d, j0:j0+W]
             is a broadcast FMA; a 4-row register tile shares every load. Only the triangle is written.
-            The transpose is done 16 x 16 blocks at a time in registers when D % 16 == 0.
+            The transpose is done 16 x 16 blocks at a time in registers when W = 16 and D % 16 == 0.
   backward: dT = S @ T with S the symmetric F x F matrix built once from dz's triangle (instead of
             the reference's dZ @ T + dZ^T @ T); a 4-row x W-lane register tile over D.
-The vectors are LLVM `<W x float>` values (W = 16 lanes: one zmm, two ymm or four NEON registers;
-W = 1 for JITKERN_ISA=scalar) made available to numba by codegen/vec.py, so LLVM keeps the
-accumulators in registers. Kernels take F and D as literals for the DLRM shapes
+The vectors are LLVM `<W x float>` values made available to numba by codegen/vec.py, so LLVM keeps
+the accumulators in registers. Kernels take F and D as literals for the DLRM shapes
 (_SPECIALISED) and read them from the arguments otherwise: one generic kernel serves any shape.
+Per-CPU knobs: W (`interaction.lanes`: 16 on every vector ISA by default, i.e. one zmm, two ymm or
+four NEON registers; 1 for JITKERN_ISA=scalar) and the fewest samples per thread
+(`interaction.parallel`).
 """
 from __future__ import annotations
 
@@ -23,10 +25,10 @@ import numba
 import numpy as np
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+from ..codegen.knobs import knob, pow2_class
 from ..codegen.vec import addr_of, f32_ptr, vadd, vfma, vlen, vload, vload_addr, vsplat, vstore, vtranspose16, vzero
+from . import _check
 
-# fewest samples worth handing to another thread (a thread hand-off costs ~10-50 us)
-_MIN_PER_THREAD = 32
 # (F, D) classes the DLRM benchmarks and models use get kernels with F and D as literals
 _SPECIALISED = {(27, 16), (27, 64), (27, 128), (9, 64)}
 
@@ -115,6 +117,49 @@ def _dot_forward_factory(spec):
     return dot_forward
 
 
+@jit(inline="always")
+def _gather_sample(buf, x, addrs, b, stride, T, D, Dp, W):
+    """buf (T + 1, Dp) = sample b's vectors: x[b], then ly_t[b] at byte address addrs[t] + 4 * b *
+    stride; whole W-lane vectors when Dp == D, else element by element (pad lanes stay 0)."""
+    if D == Dp:
+        for j0 in range(0, D, W):
+            vstore(buf, j0, vload(x, b * D + j0, W))
+            for t in range(T):
+                vstore(buf, (t + 1) * Dp + j0, vload_addr(addrs[t] + 4 * (b * stride + j0), W))
+    else:
+        for d in range(D):
+            buf[d] = x[b, d]
+        for t in range(T):
+            row = numba.carray(f32_ptr(addrs[t] + 4 * b * stride), (D,))
+            for d in range(D):
+                buf[(t + 1) * Dp + d] = row[d]
+
+
+@jit(inline="always")
+def _symmetric_dz(s, dz, b, F, D, off):
+    """s (F, F) = sample b's pair gradients dz[b, D:] as a symmetric matrix; its diagonal is twice
+    the diagonal pair's gradient with self-interaction (off = 1), else 0."""
+    k = D
+    for i in range(F):
+        for j in range(i + off):
+            s[i * F + j] = s[j * F + i] = dz[b, k]
+            k += 1
+        s[i * F + i] = 2 * dz[b, k - 1] if off else np.float32(0.0)
+
+
+@jit(inline="always")
+def _store_padded(o, dz, dx, dly, b, i0, F, D, Dp):
+    """Rows i0.. i0 + 3 (those < F) of sample b's gradient, held in o (4, Dp), without their pad
+    lanes: row 0 (plus dz's copy of x) to dx[b], row i to dly[i - 1, b]."""
+    for q in range(min(4, F - i0)):
+        i = i0 + q
+        for d in range(D):
+            if i == 0:
+                dx[b, d] = o[d] + dz[b, d]
+            else:
+                dly[i - 1, b, d] = o[q * Dp + d]
+
+
 @kernel_factory("interaction_dot_backward")
 def _dot_backward_factory(spec):
     FC, DC, W = spec["F"], spec["D"], spec["W"]
@@ -133,24 +178,8 @@ def _dot_backward_factory(spec):
         s = np.zeros((F + 3) * F, np.float32)  # symmetric dZ, 3 zero rows for the last tile
         o = np.empty(4 * Dp, np.float32)
         for b in range(b0, b1):
-            if full:
-                for j0 in range(0, D, W):
-                    vstore(buf, j0, vload(x, b * D + j0, W))
-                    for t in range(T):
-                        vstore(buf, (t + 1) * Dp + j0, vload_addr(addrs[t] + 4 * (b * stride + j0), W))
-            else:
-                for d in range(D):
-                    buf[d] = x[b, d]
-                for t in range(T):
-                    row = numba.carray(f32_ptr(addrs[t] + 4 * b * stride), (D,))
-                    for d in range(D):
-                        buf[(t + 1) * Dp + d] = row[d]
-            k = D
-            for i in range(F):
-                for j in range(i + off):
-                    s[i * F + j] = s[j * F + i] = dz[b, k]
-                    k += 1
-                s[i * F + i] = 2 * dz[b, k - 1] if off else np.float32(0.0)
+            _gather_sample(buf, x, addrs, b, stride, T, D, Dp, W)
+            _symmetric_dz(s, dz, b, F, D, off)
             for i0 in range(0, F, 4):
                 for j0 in range(0, Dp, W):
                     a0 = a1 = a2 = a3 = vzero(W)
@@ -177,27 +206,11 @@ def _dot_backward_factory(spec):
                         vstore(o, 2 * Dp + j0, a2)
                         vstore(o, 3 * Dp + j0, a3)
                 if not full:
-                    for q in range(min(4, F - i0)):
-                        i = i0 + q
-                        for d in range(D):
-                            if i == 0:
-                                dx[b, d] = o[d] + dz[b, d]
-                            else:
-                                dly[i - 1, b, d] = o[q * Dp + d]
+                    _store_padded(o, dz, dx, dly, b, i0, F, D, Dp)
     return dot_backward
 
 
-# --------------------------------------------------------------------------- public wrappers
-
-
-def _check_f32(name, a, ndim):
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
-    if a.dtype != np.float32:
-        raise TypeError(f"{name} must be float32, got {a.dtype}")
-    if a.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
-    return np.ascontiguousarray(a)
+# --------------------------------------------------------------------------- arguments and dispatch
 
 
 def _features(x, ly):
@@ -207,13 +220,13 @@ def _features(x, ly):
     whose arrays share one row stride (separate (B, D) arrays, or column blocks of one (B, T*D)
     array) is read in place, without stacking.
     """
-    x = _check_f32("x", x, 2)
+    x = _check.float_array("x", x, ndim=2)
     B, D = x.shape
     if isinstance(ly, (list, tuple)):
         parts = []
         for t, a in enumerate(ly):
             if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 2:
-                _check_f32(f"ly[{t}]", a, 2)
+                _check.float_array(f"ly[{t}]", a, ndim=2)  # raises, naming the element
             if a.shape != (B, D):
                 raise ValueError(f"ly[{t}] must have shape (B, D) = {(B, D)} like x, got {a.shape}")
             parts.append(a)
@@ -223,7 +236,7 @@ def _features(x, ly):
             rows = {4 * D}
         addrs = np.array([a.ctypes.data for a in parts], np.int64)
         return x, parts, addrs, (rows.pop() // 4 if B > 1 else D), len(parts)
-    ly = _check_f32("ly", ly, 3)
+    ly = _check.float_array("ly", ly, ndim=3)
     if ly.shape[0] != B or ly.shape[2] != D:
         raise ValueError(f"ly must have shape (B, T, D) with B, D = {B}, {D} from x, got {ly.shape}")
     T = ly.shape[1]
@@ -237,14 +250,13 @@ def _pool(workers, pid):
     return ThreadPoolExecutor(workers, thread_name_prefix="jitkern-interaction")
 
 
-def _over_batch(kernel, B, *args):
-    """kernel(b0, b1, *args) on contiguous batch slices, one per numba thread (kernels are nogil).
+def _over_batch(kernel, B, n, *args):
+    """kernel(b0, b1, *args) on n contiguous batch slices, one per thread (kernels are nogil).
 
     Every sample is computed by the same code whatever the split, so results are bit-identical
-    for any thread count. Serial kernels driven from Python threads compile in half the time of
-    numba parfors, which keeps the per-shape-class compile cost low.
+    for any thread count. Serial kernels driven from Python threads compile faster than numba
+    parfors, which keeps the per-shape-class compile cost low.
     """
-    n = max(1, min(numba.get_num_threads(), B // _MIN_PER_THREAD))
     cuts = [B * k // n for k in range(n + 1)]
     futures = [_pool(n - 1, os.getpid()).submit(kernel, cuts[k], cuts[k + 1], *args) for k in range(1, n)]
     kernel(0, cuts[1], *args)
@@ -252,12 +264,92 @@ def _over_batch(kernel, B, *args):
         f.result()
 
 
-def _spec(op, F, D):
-    # 16 lanes on every vector ISA: on AVX2 (2 x 8) and NEON (4 x 4) LLVM splits each value into
-    # registers, so the 4-row tile keeps 8 / 16 independent FMA chains, enough to hide latency
-    W = 1 if host_target().vector_width == 1 else max(16, host_target().vector_width)
+def _spec(op, F, D, W):
     F_, D_ = (F, D) if (F, D) in _SPECIALISED else (0, 0)
     return KernelSpec.make(op, F=F_, D=D_, W=W)
+
+
+def _run(op, B, F, D, *args):
+    """op's kernel for F features of width D, over the batch, with the lanes and thread split the
+    knobs choose."""
+    kernel = get_kernel(_spec(op, F, D, LANES.choose((B, F, D))["lanes"]))
+    threads = numba.get_num_threads()
+    n = 1
+    if threads > 1:
+        n = max(1, min(threads, B // PARALLEL.choose((B, F, D, threads))["min_per_thread"]))
+    _over_batch(kernel, B, n, *args)
+
+
+# --------------------------------------------------------------------------- knobs
+
+
+def _example(B, F, D):
+    """Inputs of a (B, F, D) dot interaction: x (B, D), ly as F - 1 (B, D) arrays, dz (B, D + P)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((B, D), dtype=np.float32)
+    ly = [rng.standard_normal((B, D), dtype=np.float32) for _ in range(F - 1)]
+    return x, ly, rng.standard_normal((B, D + num_pairs(F)), dtype=np.float32)
+
+
+def _dot_pass(B, F, D, W):
+    """fn(n): forward then backward of an example (B, F, D) interaction with W lanes, split over n
+    threads (inputs and outputs built here, outside the timed calls)."""
+    x, ly, dz = _example(B, F, D)
+    x, keep, addrs, stride, _ = _features(x, ly)
+    z = np.empty((B, D + num_pairs(F)), np.float32)
+    dx, dly = np.empty((B, D), np.float32), np.empty((F - 1, B, D), np.float32)
+    fwd = get_kernel(_spec("interaction_dot_forward", F, D, W))
+    bwd = get_kernel(_spec("interaction_dot_backward", F, D, W))
+
+    def run(n, keep=keep):
+        _over_batch(fwd, B, n, x, addrs, stride, 0, z)
+        _over_batch(bwd, B, n, dz, x, addrs, stride, 0, dx, dly)
+    return run
+
+
+def _lanes_heuristic(problem):
+    # 16 lanes on every vector ISA: on AVX2 (2 x 8) and NEON (4 x 4) LLVM splits each value into
+    # registers, so the 4-row tile keeps 8 / 16 independent FMA chains, enough to hide latency
+    vw = host_target().vector_width
+    return {"lanes": 1 if vw == 1 else max(16, vw)}
+
+
+def _lanes_runner(problem, params):
+    run = _dot_pass(*problem, params["lanes"])
+    return lambda: run(1)
+
+
+LANES = knob("interaction.lanes", doc="vector lanes of the dot interaction kernels (native width or 16)",
+             heuristic=_lanes_heuristic, shape_class=lambda p: pow2_class(*p[1:]),
+             problems=lambda w: w.interactions,
+             candidates=lambda p, quick: [{"lanes": w} for w in sorted({host_target().vector_width, 16})],
+             runner=_lanes_runner)
+
+_MIN_PER_THREAD = 32  # fewest samples worth handing to another thread: a hand-off costs tens of us
+_PER_THREAD = (8, 16, 32, 64, 128, 256)  # samples per thread the search tries
+
+
+def _parallel_search(problem, quick, timer):
+    """The fewest samples per thread at which two threads beat one on twice that many samples."""
+    B, F, D, threads = problem
+    if min(threads, numba.config.NUMBA_NUM_THREADS) < 2:
+        return {"min_per_thread": _MIN_PER_THREAD}  # one thread: nothing to split
+    W = LANES.choose((B, F, D))["lanes"]
+    for per in _PER_THREAD[1:-1] if quick else _PER_THREAD:
+        run = _dot_pass(2 * per, F, D, W)
+        if timer(lambda: run(2)) < timer(lambda: run(1)):
+            return {"min_per_thread": per}
+    return {"min_per_thread": 2 * _PER_THREAD[-1]}
+
+
+PARALLEL = knob("interaction.parallel", doc="fewest samples per thread of the interaction kernels",
+                heuristic=lambda p: {"min_per_thread": _MIN_PER_THREAD},
+                shape_class=lambda p: f"{pow2_class(*p[1:3])}t{p[3]}",
+                problems=lambda w: ((*i, t) for i in w.interactions for t in w.threads),
+                search=_parallel_search)
+
+
+# --------------------------------------------------------------------------- public wrappers
 
 
 def num_pairs(num_features, self_interaction=False):
@@ -274,8 +366,7 @@ def interaction_dot_forward(x, ly, *, self_interaction=False):
     x, keep, addrs, stride, T = _features(x, ly)
     B, D = x.shape
     z = np.empty((B, D + num_pairs(T + 1, self_interaction)), np.float32)
-    _over_batch(get_kernel(_spec("interaction_dot_forward", T + 1, D)), B,
-                x, addrs, stride, int(bool(self_interaction)), z)
+    _run("interaction_dot_forward", B, T + 1, D, x, addrs, stride, int(bool(self_interaction)), z)
     del keep  # the arrays addrs points into: alive until the kernels are done
     return z
 
@@ -285,15 +376,14 @@ def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
     of a (T, B, D) array)."""
     x, keep, addrs, stride, T = _features(x, ly)
     B, D = x.shape
-    dz = _check_f32("dz", dz, 2)
+    dz = _check.float_array("dz", dz, ndim=2)
     want = (B, D + num_pairs(T + 1, self_interaction))
     if dz.shape != want:
         raise ValueError(f"dz must have shape (B, D + P) = {want}, got {dz.shape}")
     dx = np.empty((B, D), np.float32)
     dly = np.empty((T, B, D), np.float32)  # returned as a (B, T, D) view: dly[:, t] is contiguous, so
     #                                        the per-table embedding updates take it without a copy
-    _over_batch(get_kernel(_spec("interaction_dot_backward", T + 1, D)), B,
-                dz, x, addrs, stride, int(bool(self_interaction)), dx, dly)
+    _run("interaction_dot_backward", B, T + 1, D, dz, x, addrs, stride, int(bool(self_interaction)), dx, dly)
     del keep  # the arrays addrs points into: alive until the kernels are done
     return dx, dly.transpose(1, 0, 2)
 
@@ -316,7 +406,7 @@ def interaction_cat_backward(dz, x, ly):
     """Gradients of interaction_cat_forward: dz (B, D * (T + 1)) -> dx (B, D), dly (B, T, D)."""
     x, _, _, _, T = _features(x, ly)
     B, D = x.shape
-    dz = _check_f32("dz", dz, 2)
+    dz = _check.float_array("dz", dz, ndim=2)
     if dz.shape != (B, D * (T + 1)):
         raise ValueError(f"dz must have shape (B, D * (T + 1)) = {(B, D * (T + 1))}, got {dz.shape}")
     dz = dz.reshape(B, T + 1, D)

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory
+from . import _check
 
 
 @kernel_factory("sigmoid_bce_forward")
@@ -39,18 +40,8 @@ def _backward_factory(spec):
     return sigmoid_bce_backward
 
 
-def _vector(name, a):
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
-    if a.dtype != np.float32:
-        raise TypeError(f"{name} must be float32, got {a.dtype}")
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D (B,), got shape {a.shape}")
-    return np.ascontiguousarray(a)
-
-
 def _check_labels(labels, b, ref_name):
-    labels = _vector("labels", labels)
+    labels = _check.float_array("labels", labels, ndim=1)
     if labels.shape[0] != b:
         raise ValueError(f"labels has B={labels.shape[0]} but {ref_name} has B={b}")
     bad = ~((labels >= 0) & (labels <= 1))  # NaN fails both comparisons
@@ -62,7 +53,7 @@ def _check_labels(labels, b, ref_name):
 
 def sigmoid_bce_forward(logits, labels):
     """Batch-mean BCE of sigmoid(logits); logits, labels: (B,) float32 -> (loss float, probs (B,) float32)."""
-    logits = _vector("logits", logits)
+    logits = _check.float_array("logits", logits, ndim=1)
     labels = _check_labels(labels, logits.shape[0], "logits")
     probs = np.empty_like(logits)
     total = get_kernel(KernelSpec.make("sigmoid_bce_forward"))(logits, labels, probs)
@@ -71,7 +62,7 @@ def sigmoid_bce_forward(logits, labels):
 
 def sigmoid_bce_backward(probs, labels):
     """dloss/dlogits of the batch-mean loss: (probs - labels) / B; probs, labels: (B,) float32."""
-    probs = _vector("probs", probs)
+    probs = _check.float_array("probs", probs, ndim=1)
     labels = _check_labels(labels, probs.shape[0], "probs")
     dlogits = np.empty_like(probs)
     get_kernel(KernelSpec.make("sigmoid_bce_backward"))(probs, labels, dlogits)

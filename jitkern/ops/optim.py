@@ -7,8 +7,7 @@ needs to reassemble the exact fp32 value, so BF16 training matches fp32 SGD bit 
 """
 from __future__ import annotations
 
-import math
-
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange
@@ -16,6 +15,8 @@ from numba.core import types
 from numba.extending import intrinsic, overload
 
 from ..codegen import jit
+from ..codegen.knobs import knob
+from . import _check
 
 # below this many elements a parallel region costs more than it saves
 _PARALLEL_MIN = 1 << 16
@@ -70,22 +71,38 @@ def _sgd_serial(p, g, lr):
         p[i] -= lr * g[i]
 
 
+def _sgd_search(problem, quick, timer):
+    """The fewest elements at which the parallel update (on the problem's threads) beats the serial one."""
+    threads = min(problem[0], numba.config.NUMBA_NUM_THREADS)
+    if threads < 2:
+        return {"min_size": _PARALLEL_MIN}  # one thread: nothing to split
+    sizes = [1 << e for e in (range(13, 19) if quick else range(12, 21))]
+    before = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        for size in sizes:
+            p, g, lr = np.zeros(size, np.float32), np.ones(size, np.float32), np.float32(1e-3)
+            if timer(lambda: _sgd_parallel(p, g, lr)) < timer(lambda: _sgd_serial(p, g, lr)):
+                return {"min_size": size}
+    finally:
+        numba.set_num_threads(before)
+    return {"min_size": 2 * sizes[-1]}
+
+
+SGD_PARALLEL = knob("optim.sgd.parallel", doc="fewest elements for which sgd_ runs in parallel",
+                    heuristic=lambda p: {"min_size": _PARALLEL_MIN}, shape_class=lambda p: f"t{p[0]}",
+                    problems=lambda w: ((t,) for t in w.threads) if w.linears else (), search=_sgd_search)
+
+
 def sgd_(param, grad, lr):
     """In place: param -= lr * grad; param, grad: same shape, float32. Returns param."""
-    if not isinstance(param, np.ndarray) or param.dtype != np.float32:
-        raise TypeError(f"param must be a float32 ndarray, got {getattr(param, 'dtype', type(param))}")
-    if not isinstance(grad, np.ndarray) or grad.dtype != np.float32:
-        raise TypeError(f"grad must be a float32 ndarray, got {getattr(grad, 'dtype', type(grad))}")
-    if grad.shape != param.shape:
-        raise ValueError(f"grad shape {grad.shape} does not match param shape {param.shape}")
-    if not param.flags.c_contiguous or not param.flags.writeable:
-        raise ValueError("param must be C-contiguous and writeable (it is updated in place)")
-    lr = float(lr)
-    if not math.isfinite(lr):
-        raise ValueError(f"lr must be finite, got {lr}")
+    param = _check.float_array("param", param, copy=False, writeable=True)
+    grad = _check.float_array("grad", grad, shape=param.shape)
+    lr = _check.finite("lr", lr)
     if param.size:
-        p, g = param.reshape(-1), np.ascontiguousarray(grad).reshape(-1)
-        (_sgd_parallel if p.shape[0] >= _PARALLEL_MIN else _sgd_serial)(p, g, np.float32(lr))
+        p, g = param.reshape(-1), grad.reshape(-1)
+        parallel = p.shape[0] >= SGD_PARALLEL.choose((numba.get_num_threads(),))["min_size"]
+        (_sgd_parallel if parallel else _sgd_serial)(p, g, np.float32(lr))
     return param
 
 

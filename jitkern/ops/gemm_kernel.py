@@ -1,0 +1,335 @@
+"""The GEMM driver: blocked float32 GEMM over the FMA register-tile microkernel, fused epilogue.
+
+One driver serves every GEMM op: C (M, N) = epilogue(alpha * op(A) @ op(B) + beta * C), with
+flags for transposition and the bias + ReLU epilogue applied on the register tile after the last
+K pass. Only the tile shape (MR, NR, vector width) is compiled in: one kernel per ISA.
+Blocking (Goto/BLIS style): B is packed once into NR-wide k-major panels unless its rows can
+be read in place; each C block (mc rows x nc columns) is one parallel task that, per KC pass,
+packs its mc x kc slice of A (or reads a plain row-major A in place) and sweeps the tile
+kernel over it. A C block belongs to one task and its K passes run in a fixed order, so
+results are bit-identical run to run and for any thread count.
+
+Helpers are inlined into the driver (inline="always"). The driver passes them the tile shape
+(`code`, or MR / NR) from inside its prange loops: a value from outside a prange loop reaches the
+loop body as a runtime argument, where LLVM could no longer fold it.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+import numpy as np
+from numba import prange
+
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
+
+log = logging.getLogger("jitkern")
+
+
+@jit(inline="always")
+def _u(i):
+    """An index as unsigned: numba then skips the negative-index wraparound, whose selects
+    otherwise turn contiguous copy loops into gathers and scatters."""
+    return np.uint64(i)
+
+
+# --------------------------------------------------------------------------- packing
+
+
+@jit(inline="always")
+def _pack_b_columns(bp, bflat, p, geo, nr):
+    """Panel p of B when B is (n, k) (its rows are C columns): each row read along k, into the
+    k-major nr-wide panel at p * ps; columns past n zeroed. geo = (n, k, ps)."""
+    n, k, ps = geo
+    width = min(nr, n - p * nr)
+    for r in range(width):
+        for kk in range(k):
+            bp[_u(p * ps + kk * nr + r)] = bflat[_u((p * nr + r) * k + kk)]
+    for r in range(width, nr):
+        for kk in range(k):
+            bp[_u(p * ps + kk * nr + r)] = 0.0
+
+
+@jit(inline="always")
+def _pack_b_rows(bp, bflat, kb, geo, p_first, nr):
+    """Rows 64 kb .. 64 kb + 63 of B when B is (k, n), scanned in memory order and scattered to
+    panels p_first.. (panel p at (p - p_first) * ps); columns past n zeroed. geo = (n, k, ps)."""
+    n, k, ps = geo
+    npan = (n + nr - 1) // nr
+    for kk in range(kb * 64, min(k, kb * 64 + 64)):
+        row = kk * n
+        for p in range(p_first, npan):
+            base = (p - p_first) * ps + kk * nr
+            col = row + p * nr
+            if (p + 1) * nr <= n:
+                for r in range(nr):  # constant trip count: a vector copy
+                    bp[_u(base + r)] = bflat[_u(col + r)]
+            else:
+                width = n - p * nr
+                for r in range(width):
+                    bp[_u(base + r)] = bflat[_u(col + r)]
+                for r in range(width, nr):
+                    bp[_u(base + r)] = 0.0
+
+
+@jit(inline="always")
+def _pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
+    """alpha * A[i0:i0+mcb, p0:p0+kcb] into ap as mr-row panels, k-major, rows past mcb zeroed.
+
+    The loops follow a's memory order (rows along k, or columns if ta); full panels of a plain
+    A that the tile kernel reads in place (a_inplace) are skipped. blk = (i0, mcb, j0, ncb),
+    kpass = (p0, kcb), geo = (m, k): A is (m, k), or (k, m) if ta.
+    """
+    i0, mcb, _, _ = blk
+    p0, kcb = kpass
+    m, k = geo
+    nfull = mcb // mr
+    if ta:  # full panels row by row of a: each k reads mcb contiguous floats
+        for kk in range(kcb):
+            src = (p0 + kk) * m + i0
+            for ip in range(nfull):
+                d = (ip * kcb + kk) * mr
+                s0 = src + ip * mr
+                for r in range(mr):
+                    ap[_u(d + r)] = aflat[_u(s0 + r)] * alpha
+    for ip in range((mcb + mr - 1) // mr):
+        dst = ip * kcb * mr
+        rows = min(mr, mcb - ip * mr)
+        ibase = i0 + ip * mr
+        if ta and ip < nfull:
+            pass  # packed above
+        elif a_inplace and rows == mr:
+            pass  # read in place by the tile kernel
+        elif ta:
+            for kk in range(kcb):
+                for r in range(rows):
+                    ap[_u(dst + kk * mr + r)] = aflat[_u((p0 + kk) * m + ibase + r)] * alpha
+        else:
+            for r in range(rows):
+                src = (ibase + r) * k + p0
+                for kk in range(kcb):
+                    ap[_u(dst + kk * mr + r)] = aflat[_u(src + kk)] * alpha
+        for r in range(rows, mr):
+            for kk in range(kcb):
+                ap[_u(dst + kk * mr + r)] = 0.0
+
+
+# --------------------------------------------------------------------------- tiles
+
+
+@jit(inline="always")
+def _scale_block(c, blk, beta):
+    """C block *= beta (before its first K pass); blk = (i0, mcb, j0, ncb)."""
+    i0, mcb, j0, ncb = blk
+    for i in range(i0, i0 + mcb):
+        for j in range(j0, j0 + ncb):
+            c[i, j] *= beta
+
+
+@jit(inline="always")
+def _edge_tile(code, kcb, a_op, b_op, c_op, bias_op, flags, tile, rows, cols):
+    """A tile with only rows x cols inside C: computed whole in the scratch `tile`, the valid part
+    copied to C (c_op = (flat C, offset, row stride)); other arguments as fma_tile's."""
+    _, nr = tile_dims(code)
+    cf, coff, ldc = c_op
+    if flags[0]:  # load: C's current values are accumulated onto
+        for r in range(rows):
+            for q in range(cols):
+                tile[_u(r * nr + q)] = cf[_u(coff + r * ldc + q)]
+    fma_tile(code, kcb, a_op, b_op, (tile, 0, nr), bias_op, flags)
+    for r in range(rows):
+        for q in range(cols):
+            cf[_u(coff + r * ldc + q)] = tile[_u(r * nr + q)]
+
+
+@jit(inline="always")
+def _sweep_tiles(code, a_src, b_src, cf, tile, biasp, blk, kpass, geo, mode):
+    """One K pass of one C block: the register tile over each of its MR x NR tiles.
+
+    a_src = (flat A, packed A block), b_src = (packed B panels, flat B), cf: flat C, tile: MR * NR
+    scratch for edge tiles, biasp: bias zero-padded to whole panels; blk = (i0, mcb, j0, ncb),
+    kpass = (p0, kcb), geo = (n, k, ps); mode = (a_inplace, b_inplace, load, epi, use_bias, relu).
+    """
+    mr, nr = tile_dims(code)
+    aflat, ap = a_src
+    bp, bflat = b_src
+    i0, mcb, j0, ncb = blk
+    p0, kcb = kpass
+    n, k, ps = geo
+    a_inplace, b_inplace, load, epi, use_bias, relu = mode
+    flags = (load, epi, use_bias, relu)
+    for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
+        jj = jp * nr
+        nrem = min(nr, n - jj)
+        if not b_inplace:
+            b_op = (bp, jp * ps + p0 * nr, nr)
+        elif nrem < nr:  # the ragged last panel, packed alone
+            b_op = (bp, p0 * nr, nr)
+        else:
+            b_op = (bflat, p0 * n + jj, n)
+        for ip in range((mcb + mr - 1) // mr):
+            ii = i0 + ip * mr
+            mrem = min(mr, i0 + mcb - ii)
+            if a_inplace and mrem == mr:
+                a_op = (aflat, ii * k + p0, 1, k)
+            else:
+                a_op = (ap, ip * kcb * mr, mr, 1)
+            if mrem == mr and nrem == nr:
+                fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags)
+            else:
+                _edge_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, tile, mrem, nrem)
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+@kernel_factory("gemm")
+def _gemm_factory(spec: KernelSpec):
+    # Only the register tile is compile-time: transposition and epilogue pick packing loops and
+    # a once-per-tile select, which cost nothing as runtime flags, and one kernel per ISA keeps
+    # compilation to a single build.
+    MR, NR = spec["mr"], spec["nr"]
+    CODE = tile_code(MR, NR, spec["vw"])
+
+    @jit(parallel=True)
+    def gemm_kernel(a, b, c, bias, ws, dims, scale, blocks, flags):
+        # a: (m, k) or (k, m) if ta; b: (k, n) or (n, k) if tb; c: (m, n) C-contiguous; bias: (n,)
+        # if use_bias; ws: float32 scratch; dims = (m, n, k); scale = (alpha, beta) float32;
+        # blocks = (mc, kc, nc); flags = (ta, tb, use_bias, relu)
+        m, n, k = dims
+        alpha, beta = scale
+        mc, kc, nc = blocks
+        ta, tb, use_bias, relu = flags
+        npan = (n + NR - 1) // NR
+        # Pack B into k-major NR-wide panels (panel p at p * ps) when tb, or when B's row
+        # stride is a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets).
+        # Otherwise B's rows are already k-major: full panels are read in place (row stride n)
+        # and only a ragged last panel is packed, zero-padded, into panel 0 of bp.
+        inplace = not tb and n % 512 != 0
+        packed = (1 if n % NR else 0) if inplace else npan
+        ps = k * NR + 16  # panel stride, one cache line more than needed: panels written side by
+        #                   side would otherwise sit 4 KiB-aliased and collide in L1 sets
+        bsize = npan * ps  # ws: [B panels (bsize) | one A block per task]
+        bp, bflat = ws[:bsize], b.reshape(b.size)
+        if tb:
+            for p in prange(packed):
+                _pack_b_columns(bp, bflat, p, (n, k, ps), NR)
+        elif packed > 0:
+            for kb in prange((k + 63) // 64):
+                _pack_b_rows(bp, bflat, kb, (n, k, ps), npan - packed, NR)
+        biasp = np.zeros(npan * NR, np.float32)
+        if use_bias:
+            biasp[:n] = bias
+        cf, aflat = c.reshape(m * n), a.reshape(a.size)
+        # a plain row-major A (not scaled) is read in place: MR row streams the prefetcher follows
+        a_inplace = not ta and alpha == 1.0
+        nib, njb = (m + mc - 1) // mc, (n + nc - 1) // nc
+        npc = max(1, (k + kc - 1) // kc)
+        for t in prange(nib * njb):
+            ib = t // njb
+            i0, j0 = ib * mc, (t - ib * njb) * nc
+            blk = (i0, min(mc, m - i0), j0, min(nc, n - j0))
+            apsize = (mc + MR - 1) // MR * MR * max(kc, 1)
+            ap = ws[bsize + t * apsize:bsize + (t + 1) * apsize]
+            tile = np.empty(MR * NR, np.float32)
+            if beta != 0.0 and beta != 1.0:
+                _scale_block(c, blk, beta)
+            for pi in range(npc):
+                kpass = (pi * kc, min(kc, k - pi * kc))
+                _pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, MR)
+                mode = (a_inplace, inplace, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu)
+                _sweep_tiles(CODE, (aflat, ap), (bp, bflat), cf, tile, biasp, blk, kpass, (n, k, ps), mode)
+    return gemm_kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(isa: str):
+    mr, nr, vw = tile_for(isa)
+    return get_kernel(KernelSpec.make("gemm", mr=mr, nr=nr, vw=vw))
+
+
+# --------------------------------------------------------------------------- workspace
+
+_SCRATCH = threading.local()
+
+
+def _workspace(size: int) -> np.ndarray:
+    """This thread's packing scratch of at least `size` floats, kept between calls: freshly
+    allocated multi-MB buffers come from mmap, and every call would pay their page faults."""
+    ws = getattr(_SCRATCH, "ws", None)
+    if ws is None or ws.size < size:
+        ws = np.empty(max(size, 2 * (0 if ws is None else ws.size)), np.float32)
+        _SCRATCH.ws = ws
+    return ws
+
+
+def grad_buffer(size: int) -> np.ndarray:
+    """This thread's buffer for the masked output gradient (consumed before linear_backward returns)."""
+    buf = getattr(_SCRATCH, "grad", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.grad = np.empty(max(size, 2 * (0 if buf is None else buf.size)), np.float32)
+    return buf[:size]
+
+
+_DUMMY = np.zeros(1, np.float32)
+
+
+def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=False):
+    """Run the driver with blocks = (mc, kc, nc) on validated, C-contiguous float32 arrays; c is
+    written and returned."""
+    m, n = c.shape
+    if m == 0 or n == 0:
+        return c
+    k = a.shape[0] if ta else a.shape[1]
+    isa = host_target().isa
+    mc, kc, nc = blocks
+    mr, nr, _ = tile_for(isa)
+    need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * mr * max(kc, 1)
+    args = (a, b, c, _DUMMY if bias is None else bias, _workspace(need), (m, n, k),
+            (np.float32(alpha), np.float32(beta)), (mc, kc, nc), (bool(ta), bool(tb), bias is not None, bool(relu)))
+    kern = _kernel(isa)
+    try:
+        kern(*args)
+    except Exception as e:  # dispatch never fails: if this ISA's kernel cannot build, go portable
+        if isa == "scalar" or kern.signatures:
+            raise
+        log.warning("gemm %s kernel failed to build (%s); using the portable scalar kernel", isa, e)
+        _kernel("scalar")(*args)
+    return c
+
+
+# --------------------------------------------------------------------------- ReLU gradient
+
+_GRAD_CHUNKS = 16  # row chunks of the ReLU-gradient pass: a fixed count, so sums never depend on threads
+
+
+@jit(parallel=True)
+def relu_grad(dy, y, g, db, relu):
+    """g = dy where y > 0 else 0 (if relu; g untouched otherwise), db[j] = sum_i g[i, j].
+
+    One pass hands both backward GEMMs a plain operand (read in place, no masked packing twice).
+    Each chunk of rows sums its rows in order (float64), then the chunks are added in order.
+    """
+    # dy, y, g: (n, m) float32; db: (m,) float32
+    n, m = dy.shape
+    dyf, yf, gf = dy.reshape(n * m), y.reshape(y.size), g.reshape(g.size)
+    part = np.zeros((_GRAD_CHUNKS, m), np.float64)
+    for c in prange(_GRAD_CHUNKS):
+        acc = part[c]
+        for i in range(c * n // _GRAD_CHUNKS, (c + 1) * n // _GRAD_CHUNKS):
+            row = i * m
+            if relu:  # a select once vectorised; NaN/inf in dy vanish where the unit was inactive
+                for j in range(m):
+                    v = dyf[_u(row + j)] if yf[_u(row + j)] > 0 else np.float32(0.0)
+                    gf[_u(row + j)] = v
+                    acc[_u(j)] += np.float64(v)
+            else:
+                for j in range(m):
+                    acc[_u(j)] += np.float64(dyf[_u(row + j)])
+    for j in range(m):
+        s = 0.0
+        for c in range(_GRAD_CHUNKS):
+            s += part[c, j]
+        db[j] = s
