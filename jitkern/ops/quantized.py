@@ -28,7 +28,7 @@ from ..codegen.knobs import knob, pow2_class
 from ..codegen.prefetch import prefetch_l2
 from ..codegen.qrowvec import fma_f32, qrow_fma, qrow_store, row_scale_bias
 from ..codegen.rowvec import stack_f32
-from ._check import F32, I64, choice, float_array, index_array, output
+from ._check import I64, choice, float_array, index_array, output
 from .embedding import (SERIAL_WORK, SPECIALISED_D, _bag_end, _check_bags, _num_threads, _prefetch_distance,
                         _raise_bag_error, _validate_bags, empty_table)
 
@@ -103,20 +103,16 @@ class QuantizedTable:
 
 
 def _row_params(lo, hi, bits):
-    """Per-row (scale, bias, value subtracted before scaling, inverse scale) in float32, as FBGEMM
-    computes them; lo, hi: (R,) float32 row minima and maxima."""
+    """Per-row (scale, bias, inverse scale) in float32 as FBGEMM computes them; lo, hi: (R,) float32
+    row minima and maxima. Values are quantized as rint((x - bias) * inverse)."""
     if bits == 8:
-        rng = hi - lo
-        return rng / np.float32(255), lo, lo, np.float32(255) / (rng + _EPS8)
-    bias = lo.astype(np.float16).astype(np.float32)
-    rng = hi - bias
-    scale = np.where(rng == 0, np.float32(1), rng / np.float32(15)).astype(np.float16).astype(np.float32)
-    scale[scale == 0] = 1
-    with np.errstate(divide="ignore", over="ignore"):
-        inv = np.float32(1) / scale
-    bad = np.isinf(inv)  # never for finite float16 scales; kept as FBGEMM has it
-    scale[bad], inv[bad] = 1, 1
-    return scale, bias, bias, inv
+        spread = hi - lo
+        return spread / np.float32(255), lo, np.float32(255) / (spread + _EPS8)
+    bias = lo.astype(np.float16).astype(np.float32)  # stored as float16: the scale is taken from that
+    spread = hi - bias
+    scale = np.where(spread == 0, np.float32(1), spread / np.float32(15)).astype(np.float16).astype(np.float32)
+    scale[scale == 0] = 1  # a spread below float16's range: any scale will do, every q is 0
+    return scale, bias, np.float32(1) / scale  # finite: float16 scales are >= 2**-24
 
 
 @jit(inline="always", fastmath=_STRICT)
@@ -129,11 +125,11 @@ def _quantize_factory(spec):
     FOUR = spec["bits"] == 4
 
     @jit(parallel=True, fastmath=_STRICT)
-    def quantize(weight, lows, invs, data):
-        # weight: (R, D) float32, lows, invs: (R,) float32, data: (R, row bytes) uint8 (values only written)
+    def quantize(weight, biases, invs, data):
+        # weight: (R, D) float32, biases, invs: (R,) float32, data: (R, row bytes) uint8 (values only written)
         R, D = weight.shape
         for r in prange(R):
-            lo, inv = lows[r], invs[r]
+            lo, inv = biases[r], invs[r]
             if FOUR:
                 for k in range(D // 2):
                     data[r, k] = (_quant(weight[r, 2 * k], lo, inv, np.float32(15))
@@ -163,22 +159,23 @@ def _dequantize_factory(spec):
 
 def quantize_rowwise(weight, bits) -> QuantizedTable:
     """Quantize weight: (R, D) float32, finite (|w| <= 65504 for 4-bit) -> QuantizedTable, bit for bit as
-    torch's embedding_bag_byte_prepack (bits=8) / embedding_bag_4bit_prepack (bits=4)."""
+    torch's embedding_bag_byte_prepack (bits=8) / embedding_bag_4bit_prepack (bits=4), except for the
+    sign of a zero bias in rows whose minimum is a zero of both signs (FBGEMM's SIMD lane order picks one)."""
     choice("bits", bits, BITS)
     w = float_array("weight", weight, ndim=2)
     R, D = w.shape
     if D < 1:
         raise ValueError(f"weight must have at least one column, got shape {w.shape}")
-    lo, hi = (w.min(axis=1), w.max(axis=1)) if R else (np.empty(0, F32), np.empty(0, F32))
+    lo, hi = w.min(axis=1), w.max(axis=1)
     bad = ~(np.isfinite(lo) & np.isfinite(hi))
     if bad.any():
         raise ValueError(f"weight row {int(np.argmax(bad))} holds a NaN or infinity")
     if bits == 4 and R and max(-float(lo.min()), float(hi.max())) > _FP16_MAX:
         raise ValueError(f"4-bit rows store their minimum and scale as float16: |weight| must be <= {_FP16_MAX:g}, "
                          f"got values in [{float(lo.min()):g}, {float(hi.max()):g}]")
-    scale, bias, sub, inv = _row_params(lo, hi, bits)
+    scale, bias, inv = _row_params(lo, hi, bits)
     data = empty_table(R, row_bytes(D, bits), np.uint8)
-    get_kernel(KernelSpec.make("embedding_quantize", bits=bits))(w, sub, inv, data)
+    get_kernel(KernelSpec.make("embedding_quantize", bits=bits))(w, bias, inv, data)
     pair = np.stack([scale, bias], axis=1).astype(np.float32 if bits == 8 else np.float16)
     data[:, q_bytes(D, bits):] = pair.view(np.uint8)
     return QuantizedTable(data, bits, D)
@@ -360,7 +357,7 @@ def _serial(work: int) -> bool:
 
 def embedding_bag_quantized_forward(table, indices, offsets, *, mode="sum", per_sample_weights=None,
                                     include_last_offset=False, out=None):
-    """Pooled dequantized rows per bag; table: QuantizedTable (R, D), indices: (nnz,), offsets: (B,) -> (B, D) float32."""
+    """Pooled dequantized rows per bag; table: QuantizedTable (R, D), indices: (nnz,), offsets: (B,) -> (B, D)."""
     if not isinstance(table, QuantizedTable):
         raise TypeError(f"table must be a QuantizedTable, got {type(table).__name__}")
     choice("mode", mode, _MODES)
