@@ -237,6 +237,10 @@ def _pool_qbags(table, indices, offsets, psw, mean, last, out, b0, b1, DC, PF, B
     """out[b] = the pooled dequantized rows of bag b, for b0 <= b < b1 (one work unit)."""
     nbags, nnz, D = out.shape[0], indices.shape[0], DC if DC else out.shape[1]
     acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
+    if b0 < b1:  # the first PF rows: the row loop prefetches PF ahead of itself only
+        rb = (D if BITS_ == 8 else (D + 1) // 2) + (8 if BITS_ == 8 else 4)
+        for j in range(offsets[b0], min(offsets[b0] + PF, _bag_end(offsets, b1 - 1, nbags, nnz, last))):
+            _prefetch_qrow(table, indices[j], rb)
     for b in range(b0, b1):
         s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
         if psw.shape[0] > 0:  # two copies of the row loop, so the common unweighted one has no per-row test
@@ -361,22 +365,22 @@ def embedding_bag_quantized_forward(table, indices, offsets, *, mode="sum", per_
     if not isinstance(table, QuantizedTable):
         raise TypeError(f"table must be a QuantizedTable, got {type(table).__name__}")
     choice("mode", mode, _MODES)
-    indices, offsets = index_array("indices", indices), index_array("offsets", offsets)
-    if offsets.dtype != I64:
-        offsets = offsets.astype(np.int64)
+    idx, off = index_array("indices", indices), index_array("offsets", offsets)  # copies where not contiguous
+    if off.dtype != I64:
+        off = off.astype(np.int64)
     last = bool(include_last_offset)
-    if last and offsets.shape[0] == 0:
+    if last and off.shape[0] == 0:
         raise ValueError("with include_last_offset, offsets must have B + 1 >= 1 entries")
-    nbags, nnz, (R, D) = offsets.shape[0] - last, indices.shape[0], table.shape
+    nbags, nnz, (R, D) = off.shape[0] - last, idx.shape[0], table.shape
     psw = _NO_PSW if per_sample_weights is None else float_array("per_sample_weights", per_sample_weights,
                                                                    shape=(nnz,))
     if out is None:
         out = np.empty((nbags, D), np.float32)
-    else:
-        output("out", out, (nbags, D), table.data, indices, offsets, psw)
+    else:  # the caller's own arrays: no_overlap skips a None per_sample_weights
+        output("out", out, (nbags, D), table.data, indices, offsets, per_sample_weights)
     pf = _prefetch_for(R, D, table.bits, tunedb.generation())
     kern = _forward_kernel(_d_class(D), table.bits, pf, _serial(nnz * D))
-    code, pos, val = kern(table.data, indices, offsets, psw, mode == "mean", last, min(_CHUNKS, nbags), out)
+    code, pos, val = kern(table.data, idx, off, psw, mode == "mean", last, min(_CHUNKS, nbags), out)
     if code:
         _raise_bag_error(code, pos, val, "table", R, nnz)
     return out
