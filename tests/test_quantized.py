@@ -290,6 +290,47 @@ def test_argument_checks():
     np.testing.assert_array_equal(got, f(table, idx, off))
 
 
+def _every_half_table(column):
+    """A 4-bit D = 2 table with one row per finite float16 h: q = (1, 0), and h as its scale (column 0)
+    or its bias (column 1), the other 0."""
+    h = np.arange(65536, dtype=np.uint16)
+    h = h[np.isfinite(h.view(np.float16))]
+    pair = np.zeros((len(h), 2), np.uint16)
+    pair[:, column] = h
+    data = np.concatenate([np.ones((len(h), 1), np.uint8), pair.view(np.uint8)], axis=1)
+    return QuantizedTable(np.ascontiguousarray(data), 4, 2), h.view(np.float16).astype(np.float32)
+
+
+def test_every_float16_scale_and_bias_decodes_exactly(monkeypatch):
+    """4-bit scales and biases are decoded with integer ops (no F16C); subnormal halves without a float32
+    denormal on the way, so they survive a denormals-are-zero flag (torch.set_flush_denormal; it holds
+    for the calling thread, so the serial path runs)."""
+    _force_path(monkeypatch, "serial")
+    torch = _torch_or_none()
+    flush = [False, True] if torch is not None and torch.set_flush_denormal(True) else [False]
+    try:
+        for daz in flush:
+            if torch is not None:
+                torch.set_flush_denormal(daz)
+            for column in (0, 1):
+                table, h = _every_half_table(column)
+                rows = np.arange(table.num_rows)
+                got = embedding_bag_quantized_forward(table, rows, rows)
+                want = h + np.float32(0)  # fma(s, 1, 0 + 0) = s + 0 and fma(0, q, 0 + b) = 0 + b
+                np.testing.assert_array_equal(got[:, column].view(np.uint32), want.view(np.uint32))
+    finally:
+        if torch is not None:
+            torch.set_flush_denormal(False)
+
+
+def _torch_or_none():
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+
+
 # ----------------------------------------------------------------------------- against torch
 
 

@@ -27,9 +27,9 @@ def _fma(builder, a, b, c):
 
 
 def _half_to_float(builder, h):
-    """float16 bits (i16 or <n x i16>) -> the float32 of equal value, with integer ops only (no F16C
-    needed): the magnitude bits shifted into a float32's place, times 2**112, are exact for normal,
-    subnormal and zero halves; the sign is put back after. (Inf/NaN halves come out finite.)"""
+    """float16 bits (i16 or <n x i16>) -> the float32 of equal value, with integer ops (no F16C needed)
+    and no float32 denormal on the way (so a DAZ flag set by someone else cannot zero a tiny scale):
+    normal halves by rebiasing the exponent bits, subnormal ones as m * 2**-24. (Inf/NaN come out finite.)"""
     vec = isinstance(h.type, ir.VectorType)
 
     def const(ty, v):
@@ -37,10 +37,13 @@ def _half_to_float(builder, h):
     i32 = ir.VectorType(_I32, h.type.count) if vec else _I32
     f32 = ir.VectorType(_F32, h.type.count) if vec else _F32
     w = builder.zext(h, i32)
-    mag = builder.bitcast(builder.shl(builder.and_(w, const(_I32, 0x7FFF)), const(_I32, 13)), f32)
-    val = builder.bitcast(builder.fmul(mag, const(_F32, 2.0 ** 112)), i32)
+    normal = builder.add(builder.shl(builder.and_(w, const(_I32, 0x7FFF)), const(_I32, 13)),
+                         const(_I32, (127 - 15) << 23))
+    mant = builder.and_(w, const(_I32, 0x3FF))
+    sub = builder.bitcast(builder.fmul(builder.sitofp(mant, f32), const(_F32, 2.0 ** -24)), i32)
+    is_sub = builder.icmp_unsigned("==", builder.and_(w, const(_I32, 0x7C00)), const(_I32, 0))
     sign = builder.shl(builder.and_(w, const(_I32, 0x8000)), const(_I32, 16))
-    return builder.bitcast(builder.or_(val, sign), f32)
+    return builder.bitcast(builder.or_(builder.select(is_sub, sub, normal), sign), f32)
 
 
 def _byte_ptr(context, builder, aryty, ary, rowty, row, offty, off):

@@ -150,7 +150,7 @@ def _dequantize_factory(spec):
     def dequantize(data, out):
         # data: (R, row bytes) uint8, out: (R, D) float32
         R, D = out.shape
-        QB = D if BITS_ == 8 else (D + 1) // 2
+        QB = _row_layout(D, BITS_)[0]
         for r in prange(R):
             s, b = row_scale_bias(data, r, QB, BITS_)
             _dequant_row(out, r, data, r, s, b, D, BITS_, True)
@@ -202,6 +202,13 @@ def _dequant_row(acc, a, table, r, s, b, D, BITS_, fresh):
 
 
 @jit(inline="always")
+def _row_layout(D, BITS_):
+    """(bytes of values, bytes per row) of a packed row, as q_bytes and row_bytes (njit)."""
+    qb = D if BITS_ == 8 else (D + 1) // 2
+    return qb, qb + (8 if BITS_ == 8 else 4)
+
+
+@jit(inline="always")
 def _prefetch_qrow(table, r, rb):
     """Prefetch every line of row r (rb bytes) into L2: its first and last byte and every 64 bytes
     between (packed rows are rarely whole lines, so they straddle one more line than rb / 64)."""
@@ -214,8 +221,7 @@ def _prefetch_qrow(table, r, rb):
 @jit(inline="always", fastmath=_STRICT)
 def _pool_qbag(acc, table, indices, psw, s, e, nnz, PF, D, DC, BITS_, weighted):
     """acc[0] = sum over j in [s, e) of psw[j]-scaled dequantized rows indices[j], prefetching PF ahead."""
-    QB = D if BITS_ == 8 else (D + 1) // 2
-    rb = QB + (8 if BITS_ == 8 else 4)
+    QB, rb = _row_layout(D, BITS_)
     far = np.uint64(nnz - 1)
     for d in range(D):
         acc[0, d] = 0.0
@@ -238,7 +244,7 @@ def _pool_qbags(table, indices, offsets, psw, mean, last, out, b0, b1, DC, PF, B
     nbags, nnz, D = out.shape[0], indices.shape[0], DC if DC else out.shape[1]
     acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
     if b0 < b1:  # the first PF rows: the row loop prefetches PF ahead of itself only
-        rb = (D if BITS_ == 8 else (D + 1) // 2) + (8 if BITS_ == 8 else 4)
+        rb = _row_layout(D, BITS_)[1]
         for j in range(offsets[b0], min(offsets[b0] + PF, _bag_end(offsets, b1 - 1, nbags, nnz, last))):
             _prefetch_qrow(table, indices[j], rb)
     for b in range(b0, b1):
