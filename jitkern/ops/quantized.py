@@ -321,7 +321,7 @@ def _runner(problem, params):
     table.data[:] = quantize_rowwise(rng.standard_normal((1, dim), dtype=np.float32), bits).data  # every page touched
     batches = [(rng.integers(0, rows, 2048 * 20), np.arange(0, 2048 * 20, 20)) for _ in range(8)]
     out = np.empty((2048, dim), np.float32)
-    kern = _forward_kernel(_d_class(dim), bits, int(params["pf"]), False)
+    kern = _forward_kernel(_d_class(dim), bits, int(params["pf"]), _serial(2048 * 20 * dim))
     state = [0]
 
     def run():
