@@ -1,4 +1,4 @@
-"""python -m jitkern bench embedding [--threads N] [--quick]: embedding-bag forward and fused SGD.
+"""python -m jitkern bench embedding [--threads N] [--quick] [--quantized]: embedding-bag forward and fused SGD.
 
 Per table size R and width D, one table is allocated and shared by every implementation (torch
 sees it through torch.from_numpy): by default as jitkern and its DLRM allocate tables
@@ -10,6 +10,7 @@ one). Then for each index draw (uniform pooling 1 and 20, Zipf-skewed pooling 20
 and the update are timed against NumPy and, when importable, torch.
 Rows/s count looked-up (forward) or updated (SGD) index entries; GB/s counts the table bytes those
 rows move (read for forward, read + write for updates), next to this machine's copy bandwidth.
+--quantized times the 8- and 4-bit row-wise quantized forward instead (bench_quantized).
 """
 from __future__ import annotations
 
@@ -161,9 +162,13 @@ def main(argv=None) -> int:
     p.add_argument("--same-batch", action="store_true",
                    help="one batch per case, repeated (its rows stay cached between calls), "
                         "instead of a new one per call")
+    p.add_argument("--quantized", action="store_true",
+                   help="8- and 4-bit quantized bag forward against torch's quantized ops (D 64 128 by default)")
     args = p.parse_args(argv)
     set_threads(args.threads)
     torch = None if args.no_torch else torch_or_none()
+    if args.quantized:
+        return bench_quantized(args, torch)
     rows = [int(r) for r in (args.rows or ([1e6] if args.quick else [1e6, 1e7]))]
     dims = args.dims or ([16, 128] if args.quick else [16, 64, 128])
     dists = [(1, "uniform"), (20, "uniform"), (20, "zipf")]
@@ -180,4 +185,82 @@ def main(argv=None) -> int:
             _bench_table(rng, r, d, args.batch, dists, torch, table, notes, args.alloc, args.same_batch)
     print_table(["case", "op", "impl", "ms", "spread", "Mrows/s", "GB/s", "ratio", "vs numpy"], table)
     print(f"threads={args.threads}:", *notes, sep="\n  ")
+    return 0
+
+
+def _quantized_table(rng, num_rows, dim, bits):
+    """A packed table of random values with valid per-row scales and biases (no fp32 table first:
+    one of 1e7 x 128 floats would take 5 GB)."""
+    from ..ops.quantized import QuantizedTable, q_bytes, quantize_rowwise, row_bytes
+    data = ops.empty_table(num_rows, row_bytes(dim, bits), np.uint8)
+    step = 1 << 20
+    block = quantize_rowwise(rng.standard_normal((step, dim), dtype=np.float32), bits).data
+    nq = q_bytes(dim, bits)
+    for r in range(0, num_rows, step):
+        n = min(step, num_rows - r)
+        data[r:r + n, :nq] = rng.integers(0, 256, (n, nq), dtype=np.uint8)
+        data[r:r + n, nq:] = block[:n, nq:]
+    return QuantizedTable(data, bits, dim)
+
+
+def _torch_quantized(torch, table, bits):
+    op = torch.ops.quantized.embedding_bag_byte_rowwise_offsets if bits == 8 else \
+        torch.ops.quantized.embedding_bag_4bit_rowwise_offsets
+    tw = torch.from_numpy(table.data)
+    return lambda i, o: (lambda ti, to: lambda: op(tw, ti, to, False, 0, False, None, None, False))(
+        torch.from_numpy(i), torch.from_numpy(o))
+
+
+QUANT_ROUNDS = 5  # timing rounds per quantized case, jitkern and torch in turn
+
+
+def _best_of_rounds(runs, rounds=QUANT_ROUNDS):
+    """{impl: Timing of its fastest round}: the impls are timed in turn each round, so on a shared
+    machine both see the same load, and a burst of someone else's work spoils one round, not a side."""
+    best = {}
+    for _ in range(rounds):
+        for impl, fn in runs:
+            t = do_bench(fn, warmup=2, min_reps=5, min_time=0.06)
+            if impl not in best or t.median < best[impl].median:
+                best[impl] = t
+    return best
+
+
+def _quantized_case(args, torch, rng, qt, pooling, table):
+    """Time one (table, pooling) case; appends a row per impl to `table`."""
+    r, d = qt.shape
+    nbytes = args.batch * pooling * qt.data.shape[1]
+    pool = [draw_batch(rng, r, args.batch, pooling, "uniform")
+            for _ in range(1 if args.same_batch else _pool_size(nbytes))]
+    out = np.empty((args.batch, d), np.float32)
+    runs = [("jitkern", _cycle([(lambda i, o: lambda: ops.embedding_bag_quantized_forward(qt, i, o, out=out))(i, o)
+                                for i, o in pool]))]
+    if torch:
+        make = _torch_quantized(torch, qt, qt.bits)
+        runs.append(("torch", _cycle([make(i, o) for i, o in pool])))
+    times = _best_of_rounds(runs)
+    for impl, t in times.items():
+        ratio = f"{times['torch'].median / t.median:.2f}x" if torch and impl == "jitkern" else ""
+        table.append([f"R={r:.0e} D={d} {qt.bits}-bit p={pooling}", impl, f"{t.median * 1e3:.3f}", t.spread(),
+                      f"{args.batch * pooling / t.median / 1e6:.1f}", f"{nbytes / t.median / 1e9:.2f}", ratio])
+
+
+def bench_quantized(args, torch) -> int:
+    """Quantized bag forward (sum), jitkern against torch's quantized ops, a new batch per call."""
+    rows = [int(r) for r in (args.rows or ([1e6] if args.quick else [1e6, 1e7]))]
+    dims = args.dims or [64, 128]
+    print(f"quantized embedding bags: B={args.batch}, threads={args.threads}, "
+          f"{'one batch repeated' if args.same_batch else 'a new batch per call'}, "
+          f"torch {'yes' if torch else 'no'}; each impl's fastest of {QUANT_ROUNDS} alternating rounds "
+          "(median and spread within it); ratio = torch time / jitkern time")
+    rng = np.random.default_rng(0)
+    table = []
+    for r in rows:
+        for d in dims:
+            for bits in (8, 4):
+                qt = _quantized_table(rng, r, d, bits)
+                for pooling in (1, 20):
+                    _quantized_case(args, torch, rng, qt, pooling, table)
+                del qt
+    print_table(["case", "impl", "ms", "spread", "Mrows/s", "GB/s", "ratio"], table)
     return 0

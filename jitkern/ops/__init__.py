@@ -11,10 +11,12 @@ from .interaction import (
 )
 from .loss import sigmoid_bce_backward, sigmoid_bce_forward
 from .optim import SplitBF16Table, sgd_
+from .quantized import QuantizedTable, embedding_bag_quantized_forward, quantize_rowwise
 
 __all__ = [
     "batch_reduce_gemm", "embedding_bag_adagrad_", "embedding_bag_backward", "embedding_bag_forward",
     "embedding_bag_sgd_", "empty_table", "gemm", "interaction_cat_backward", "interaction_cat_forward",
     "interaction_dot_backward", "interaction_dot_forward", "linear_backward", "linear_forward",
     "SplitBF16Table", "sgd_", "sigmoid_bce_backward", "sigmoid_bce_forward",
+    "QuantizedTable", "embedding_bag_quantized_forward", "quantize_rowwise",
 ]

@@ -223,3 +223,46 @@ def sgd_(param, grad, lr):
     """In place: param -= lr * grad. Returns param."""
     param -= np.float32(lr) * np.asarray(grad, np.float32)
     return param
+
+
+# --------------------------------------------------------------------------- quantized embedding bags
+
+
+def quantize_rowwise(weight, bits):
+    """FBGEMM's row-wise quantization (torch's embedding_bag_{byte,4bit}_prepack) in float32 NumPy ops
+    -> QuantizedTable: per row the values, then scale and bias (float32 for 8-bit, float16 for 4-bit)."""
+    from .quantized import QuantizedTable
+    w = np.asarray(weight, np.float32)
+    lo, hi = w.min(axis=1), w.max(axis=1)
+    if bits == 8:
+        scale, bias = (hi - lo) / np.float32(255), lo
+        q = np.rint((w - bias[:, None]) * (np.float32(255) / (hi - lo + np.float32(1e-8)))[:, None]).astype(np.uint8)
+        tail = np.stack([scale, bias], axis=1).view(np.uint8)
+    else:
+        bias = lo.astype(np.float16).astype(np.float32)  # the bias is stored as float16: scale from that
+        scale = np.where(hi == bias, np.float32(1), (hi - bias) / np.float32(15)).astype(np.float16).astype(np.float32)
+        scale[scale == 0] = 1
+        q = np.clip(np.rint((w - bias[:, None]) * (np.float32(1) / scale)[:, None]), 0, 15).astype(np.uint8)
+        q = np.pad(q, ((0, 0), (0, q.shape[1] % 2)))  # odd D: a zero high nibble in the last byte
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+        tail = np.stack([scale, bias], axis=1).astype(np.float16).view(np.uint8)
+    return QuantizedTable(np.ascontiguousarray(np.concatenate([q, tail], axis=1)), bits, w.shape[1])
+
+
+def dequantize_rowwise(table):
+    """(R, D) float64 values scale * q + bias of a QuantizedTable."""
+    data, D = np.asarray(table.data), table.dim
+    if table.bits == 8:
+        q, sb = data[:, :D], data[:, D:D + 8].copy().view(np.float32)
+    else:
+        nq = (D + 1) // 2
+        q = np.stack([data[:, :nq] & 15, data[:, :nq] >> 4], axis=2).reshape(len(data), 2 * nq)[:, :D]
+        sb = data[:, nq:nq + 4].copy().view(np.float16)
+    return q * sb[:, :1].astype(np.float64) + sb[:, 1:].astype(np.float64)
+
+
+def embedding_bag_quantized_forward(table, indices, offsets, *, mode="sum", per_sample_weights=None,
+                                    include_last_offset=False, out=None):
+    """Pooled dequantized rows per bag: embedding_bag_forward over dequantize_rowwise(table) -> (B, D)."""
+    return embedding_bag_forward(dequantize_rowwise(table), indices, offsets, mode=mode,
+                                 per_sample_weights=per_sample_weights, include_last_offset=include_last_offset)
