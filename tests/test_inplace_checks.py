@@ -2,8 +2,8 @@
 kernels apply them in) and rejects inputs that alias the memory it updates (or computes what the
 reference computes on copies). A rejected call leaves the table byte-identical.
 
-The op side lands with the embedding package; until then these are strict xfails (each case
-fails today, so a case that starts passing early is noticed too).
+The embedding ops' side lands with the embedding package; until then their cases are strict
+xfails (each fails today, so a case that starts passing early is noticed too).
 """
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ import pytest
 from jitkern import ops
 from jitkern.ops import reference as ref
 
-pytestmark = pytest.mark.xfail(strict=True, reason="ops checks land with the embedding package")
+PENDING = pytest.mark.xfail(strict=True, reason="embedding ops checks land with the embedding package")
 
 D = 16
 HUGE = 1e39                      # finite as a float64, inf as a float32
@@ -34,6 +34,7 @@ def _unchanged(before, after):
 # --------------------------------------------------------------------------- finding 3: float32 scalars
 
 
+@PENDING
 def test_issue_example_lr_overflowing_float32_is_rejected():
     w = _table()
     before = w.copy()
@@ -66,8 +67,9 @@ def _dense_sgd(lr):
 
 
 @pytest.mark.parametrize("name,make", [
-    ("lr", lambda: _sgd_fp32(HUGE)), ("lr", lambda: _sgd_fp32(-HUGE)), ("lr", lambda: _sgd_bf16(HUGE)),
-    ("lr", lambda: _adagrad(HUGE)), ("eps", lambda: _adagrad(0.1, HUGE)), ("lr", lambda: _dense_sgd(HUGE)),
+    pytest.param("lr", lambda: _sgd_fp32(HUGE), marks=PENDING), pytest.param("lr", lambda: _sgd_fp32(-HUGE), marks=PENDING),
+    pytest.param("lr", lambda: _sgd_bf16(HUGE), marks=PENDING), pytest.param("lr", lambda: _adagrad(HUGE), marks=PENDING),
+    pytest.param("eps", lambda: _adagrad(0.1, HUGE), marks=PENDING), ("lr", lambda: _dense_sgd(HUGE)),
 ])
 def test_scalars_are_checked_in_float32_in_every_in_place_op(name, make):
     arrays, call = make()
@@ -94,6 +96,7 @@ def _rejected_or_as_on_copies(arrays, call, expected, argname):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+@PENDING
 def test_issue_example_dout_aliasing_the_table():
     w = _table()
     idx, off = _bags()
@@ -101,6 +104,7 @@ def test_issue_example_dout_aliasing_the_table():
     _rejected_or_as_on_copies([w], lambda: ops.embedding_bag_sgd_(w, idx, off, w[0:2], 0.5), [want], "dout")
 
 
+@PENDING
 def test_bf16_table_update_with_dout_aliasing_its_halves():
     t = ops.SplitBF16Table.from_float32(_table())
     idx, off = _bags()
@@ -110,6 +114,7 @@ def test_bf16_table_update_with_dout_aliasing_its_halves():
     _rejected_or_as_on_copies([t.to_float32()], lambda: ops.embedding_bag_sgd_(t, idx, off, dout, 1e-3), [w], "dout")
 
 
+@PENDING
 def test_adagrad_with_dout_or_state_aliasing_the_table():
     idx, off = _bags()
     w, state = _table(), np.zeros(8, np.float32)

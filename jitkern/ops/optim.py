@@ -95,10 +95,15 @@ SGD_PARALLEL = knob("optim.sgd.parallel", doc="fewest elements for which sgd_ ru
 
 
 def sgd_(param, grad, lr):
-    """In place: param -= lr * grad; param, grad: same shape, float32. Returns param."""
+    """In place: param -= lr * grad; param, grad: same shape, float32. Returns param.
+
+    A grad that partly overlaps param is copied first (the update is elementwise, so grad being
+    param itself is fine)."""
     param = _check.float_array("param", param, copy=False, writeable=True)
     grad = _check.float_array("grad", grad, shape=param.shape)
     lr = _check.finite("lr", lr)
+    if grad.ctypes.data != param.ctypes.data and np.may_share_memory(grad, param):
+        grad = grad.copy()
     if param.size:
         p, g = param.reshape(-1), grad.reshape(-1)
         parallel = p.shape[0] >= SGD_PARALLEL.choose((numba.get_num_threads(),))["min_size"]
