@@ -224,6 +224,26 @@ class DLRM:
         sd.update(self.mlp_state_dict())
         return sd
 
+    def table_regions(self) -> dict:
+        """table -> (r0, r1, c0, c1): the rows and columns of it this process holds (all, here)."""
+        return {t: (0, r, 0, self.embedding_dim) for t, r in enumerate(self.embedding_sizes)}
+
+    def saves_region(self, t: int) -> bool:
+        """Whether this process writes its region of table t to a sharded checkpoint."""
+        return True
+
+    def read_region(self, t: int) -> np.ndarray:
+        """Table t's region as fp32 (the live table where it is fp32)."""
+        w = self.emb[t]
+        return w if isinstance(w, np.ndarray) else w.to_float32()
+
+    def write_region(self, t: int, block) -> None:
+        """Set table t's region from an fp32 block of its shape."""
+        if isinstance(self.emb[t], np.ndarray):
+            np.copyto(self.emb[t], block)
+        else:
+            self.emb[t] = ops.SplitBF16Table.from_float32(np.ascontiguousarray(block, np.float32))
+
     def state_shapes(self) -> dict:
         """name -> shape of every parameter (what load_state_dict expects), without building copies."""
         shapes = {f"emb.{t}.weight": (r, self.embedding_dim) for t, r in enumerate(self.embedding_sizes)}

@@ -42,7 +42,7 @@ def main(batch, steps, interaction, self_interaction, precision):
     if comm is None or comm.Get_rank() == 0:
         print(json.dumps({
             "ranks": 1 if comm is None else comm.Get_size(),
-            "placement": list(dist.placement.owner),
+            "kinds": list(dist.plan.kinds()),
             "losses_dist": losses_d, "losses_single": losses_s,
             "weight_err": weight_err,
             "probs_err": float(np.abs(probs_d - probs_s).max()),

@@ -1,0 +1,149 @@
+"""Run under mpiexec: every sharding kind (and a mixed plan) against one process; rank 0 prints JSON.
+
+usage: mpiexec -n P python sharding.py contract|train|adagrad
+
+contract: the embedding layer alone (pool, then a fixed pooled gradient, then the update), three
+          steps: the pooled rows and the tables against one process, per kind and precision.
+train:    whole training steps, a forward and a load per kind and precision: losses, every weight,
+          probabilities, replicas bit-identical.
+adagrad:  row-wise Adagrad on column pieces (per-row squares summed over the column group) against
+          ops.embedding_bag_adagrad_ on the whole table.
+"""
+import json
+import sys
+import zlib
+
+import numpy as np
+
+from jitkern import ops
+from jitkern.dlrm.launch import comm_from_env
+from jitkern.dlrm.model import DLRM
+from jitkern.dlrm.planner import TableSharding, plan_sharding
+from jitkern.dlrm.sharding import ColumnGroup, RowwiseAdagrad, make_shard
+from jitkern.dlrm.synth import random_batch
+
+SIZES = [3, 50, 2000, 700, 5000, 64, 1200, 3000]
+DIM = 16
+MIXED = ["replicate", "table", "row", "column", "table_row", "replicate", "column", "row"]
+ARCH = dict(embedding_sizes=SIZES, embedding_dim=DIM, bottom_mlp=[5, 24, DIM], top_mlp=[20, 1], seed=7)
+
+
+def batches(rs, n, batch, pooling=4):
+    out = [random_batch(rs, SIZES, 5, batch, pooling, False) for _ in range(n)]
+    out.append(random_batch(rs, SIZES, 5, 2, pooling, False))      # B < P: a rank gets no rows
+    return out
+
+
+def sharding_for(kind, P):
+    if kind == "mixed":
+        return plan_sharding(SIZES, DIM, 4, 67, P, kinds=MIXED)
+    return kind
+
+
+def rel_err(a, b):
+    return float(np.abs(a.astype(np.float64) - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def embedding_step(m, b, dly, lr, comm):
+    """Pool, apply the pooled gradient dly (B, T, D), update; -> this process's pooled rows (b, T, D)."""
+    ctx = m.step_context(b.dense, b.offsets, b.indices, b.labels, lr)
+    lo = getattr(ctx, "layout", None)
+    lo, hi = (lo.lo, lo.hi) if lo is not None else (0, len(b.labels))
+    m.embedding_forward_start(ctx)
+    ly = np.stack([np.asarray(x) for x in m.embedding_forward(ctx)], axis=1) if hi > lo else np.zeros((0, len(SIZES), DIM))
+    mine = np.ascontiguousarray(dly[lo:hi])
+    if comm is not None:
+        m.embedding_backward_start(ctx, mine)
+        m._post_grads(ctx.grads, [], final=True)
+    m.embedding_update(ctx, mine)
+    if comm is not None:
+        zeros = lambda ws, bs: [(np.zeros_like(w), np.zeros_like(c)) for w, c in zip(ws, bs)]
+        m.dense_update(ctx, zeros(m.bot_w, m.bot_b), zeros(m.top_w, m.top_b))
+    return ly, lo, hi
+
+
+def contract(comm):
+    P, out = comm.Get_size(), {}
+    for precision in ("fp32", "bf16"):
+        for kind in ("table", "column", "row", "table_row", "replicate"):
+            dist = DLRM(**ARCH, embedding_precision=precision, comm=comm, sharding=kind)
+            single = DLRM(**ARCH, embedding_precision=precision)
+            rs = np.random.RandomState(3)
+            ly_err = 0.0
+            for pooling in (1, 4, 4):
+                b = batches(rs, 1, 67, pooling)[0]
+                dly = (rs.standard_normal((67, len(SIZES), DIM)) * 0.1).astype(np.float32)
+                ly_d, lo, hi = embedding_step(dist, b, dly, 0.3, comm)
+                ly_s, _, _ = embedding_step(single, b, dly, 0.3, None)
+                err = rel_err(ly_d, ly_s[lo:hi]) if hi > lo else 0.0
+                out[f"{precision} {kind} pooling {pooling} ly_err"] = max(comm.allgather(err))
+            sd_d, sd_s = dist.state_dict(), single.state_dict()
+            out[f"{precision} {kind} table_err"] = max(rel_err(sd_d[k], sd_s[k]) for k in sd_s if k.startswith("emb"))
+            out[f"{precision} {kind} kinds"] = sorted(set(dist.plan.kinds()))
+    return out
+
+
+def train(comm):
+    P, out = comm.Get_size(), {}
+    for precision in ("fp32", "bf16"):
+        for kind in ("table", "column", "row", "table_row", "replicate", "mixed"):
+            arch = dict(ARCH, interaction="cat" if kind == "mixed" else "dot", embedding_precision=precision)
+            dist = DLRM(**arch, comm=comm, sharding=sharding_for(kind, P))
+            single = DLRM(**arch)
+            bs = batches(np.random.RandomState(3), 3, 67)
+            losses_d = [dist.train_step(b.dense, b.offsets, b.indices, b.labels, 0.2) for b in bs]
+            losses_s = [single.train_step(b.dense, b.offsets, b.indices, b.labels, 0.2) for b in bs]
+            probs_d = dist.forward(bs[0].dense, bs[0].offsets, bs[0].indices)
+            probs_s = single.forward(bs[0].dense, bs[0].offsets, bs[0].indices)
+            sd_d, sd_s = dist.state_dict(), single.state_dict()
+            mine = b"".join(sd_d[k].tobytes() for k in sorted(sd_d)) + np.array(losses_d).tobytes()
+            dist.load_state_dict(single.state_dict())
+            probs_l = dist.forward(bs[1].dense, bs[1].offsets, bs[1].indices)
+            key = f"{precision} {kind}"
+            out[key] = {
+                "kinds": list(dist.plan.kinds()),
+                "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses_d, losses_s)),
+                "weight_err": max(float(np.abs(sd_d[k] - sd_s[k]).max()) for k in sd_s),
+                "probs_err": float(np.abs(probs_d - probs_s).max()),
+                "load_probs_err": float(np.abs(probs_l - single.forward(bs[1].dense, bs[1].offsets,
+                                                                         bs[1].indices)).max()),
+                "replicas_identical": len(set(comm.allgather(zlib.crc32(mine)))) == 1,
+            }
+    return out
+
+
+def adagrad(comm):
+    """Row-wise Adagrad on column pieces of one table vs the op on the whole table, 3 steps."""
+    P, rank = comm.Get_size(), comm.Get_rank()
+    R, D = 300, 16
+    spec = TableSharding.column(range(P), D)
+    group = comm.Create_group(comm.group, 0)
+    shard = make_shard(0, spec, R, D, rank, optimizer=RowwiseAdagrad(), group=ColumnGroup(group, D))
+    whole = make_shard(0, TableSharding.table(0), R, D, 0)
+    shard.init(np.random.RandomState(1))
+    whole.init(np.random.RandomState(1))
+    state = np.zeros(R, np.float32)
+    rs = np.random.RandomState(2)
+    for _ in range(3):
+        b = random_batch(rs, [R], 1, 40, 5, False)
+        dout = rs.standard_normal((40, D)).astype(np.float32)
+        r0, r1, c0, c1 = shard.region
+        shard.optimizer.update(shard.weight, shard.state, b.indices[0], b.offsets[0],
+                               np.ascontiguousarray(dout[:, c0:c1]), 0.05, shard.group)
+        ops.embedding_bag_adagrad_(whole.weight, state, b.indices[0], b.offsets[0], dout, 0.05)
+    r0, r1, c0, c1 = shard.region
+    w_err = rel_err(shard.weight, whole.weight[:, c0:c1])
+    s_err = rel_err(shard.state, state)
+    return {"weight_err": max(comm.allgather(w_err)), "state_err": max(comm.allgather(s_err)),
+            "state_exact": all(comm.allgather(bool(np.array_equal(shard.state, state))))}
+
+
+def main(mode):
+    comm = comm_from_env()
+    out = {"contract": contract, "train": train, "adagrad": adagrad}[mode](comm)
+    if comm.Get_rank() == 0:
+        print(json.dumps({"ranks": comm.Get_size(), **out}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
