@@ -111,7 +111,7 @@ class TableSharding:
 class ShardingPlan:
     """One TableSharding per table over `nranks` ranks; estimates: seconds each table adds to its
     busiest holder; memory: bytes of table pieces and optimizer state per rank; step: the predicted
-    step seconds (estimates, memory and step are 0/empty for a plan given by hand)."""
+    step seconds (estimates, memory and step are empty/0 for a plan given by hand)."""
     sizes: tuple
     dim: int
     nranks: int
@@ -119,6 +119,7 @@ class ShardingPlan:
     estimates: tuple = ()
     memory: tuple = ()
     step: float = 0.0
+    with_dense: bool = False     # whether `step` includes the dense stages (the planner was given them)
 
     def __post_init__(self):
         if len(self.tables) != len(self.sizes):
@@ -147,7 +148,8 @@ class ShardingPlan:
                 f"memory per rank (tables + optimizer state): max {_bytes(max(self.memory))}, "
                 f"min {_bytes(min(self.memory))}")
         if self.step:
-            lines.append(f"predicted step: {self.step * 1e3:.2f} ms")
+            lines.append(f"predicted step: {self.step * 1e3:.2f} ms"
+                         + ("" if self.with_dense else " (tables and communication; the dense stages not included)"))
         return "\n".join(lines)
 
 
@@ -325,7 +327,9 @@ def plan_sharding(sizes, dim, pooling=1, batch=2048, ranks=1, memory_per_rank=No
     pb = _Problem(loads, int(batch), P, tuple(nodes) if nodes else network.nodes(P), limit, network,
                   rates or Rates(), dict(dense or {}), int(mlp_bytes), int(top_layers))
     wanted = _kinds_per_table(kinds, len(sizes))
-    options = [["table"] if P == 1 else list(KINDS) if w == AUTO else [w] for w in wanted]
+    # a table that cannot be whole on one rank is split by rows, which scales to any number of ranks
+    options = [["table"] if P == 1 else [w] if w != AUTO else list(KINDS) if l.piece_bytes(l.rows, D) <= limit
+               else ["row", "table_row"] for w, l in zip(wanted, loads)]
     order = sorted(range(len(sizes)), key=lambda t: (-pb.rates.table_seconds(sizes[t], D, batch * pooling[t], batch), t))
     plans = [p for p in (_improve(s, order, options, pb) for s in _starts(options, order, pb)) if p is not None]
     if not plans:
@@ -338,7 +342,7 @@ def plan_sharding(sizes, dim, pooling=1, batch=2048, ranks=1, memory_per_rank=No
         total = total + pb.delta(t, s)[0]
     step = estimate(total, [s.kind for s in best], pb.dense, pb.mlp_bytes, network, pb.top_layers).step
     return ShardingPlan(sizes, D, P, tuple(best), tuple(pb.delta(t, s)[1] for t, s in enumerate(best)),
-                        tuple(float(m) for m in total.mem), step)
+                        tuple(float(m) for m in total.mem), step, bool(pb.dense))
 
 
 def _total_score(chosen, pb: _Problem) -> tuple:
