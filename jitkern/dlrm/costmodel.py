@@ -226,6 +226,19 @@ def _add_replicated(load: Load, table: TableLoad, b: np.ndarray, batch: int, rat
     return float(np.max(work))
 
 
+DENSE_GFLOPS = 60.0           # a rough single-core GEMM rate, for dense stages not measured
+
+
+def dense_estimate(bottom, top, rows: int, gflops: float = DENSE_GFLOPS) -> dict:
+    """Seconds per dense stage at `rows` rows from the MLPs' FLOPs (bottom: [n_dense, ..., D], top:
+    [input width, ..., 1]): a stand-in where the stages are not measured (the overlap needs them)."""
+    def flops(sizes):
+        return 2.0 * rows * sum(n * m for n, m in zip(sizes[:-1], sizes[1:]))
+    rate = gflops * 1e9
+    return {"bottom_fwd": flops(bottom) / rate, "top_fwd": flops(top) / rate,
+            "bottom_bwd": 2 * flops(bottom) / rate, "top_bwd": 2 * flops(top) / rate}
+
+
 @dataclass(frozen=True)
 class StepEstimate:
     """Seconds of one step: the slowest rank's compute, each exchange's link time, what is exposed."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..codegen.knobs import Workload
 from ..config import get_config
-from .costmodel import Network
+from .costmodel import Network, dense_estimate
 from .exchange import CommStat, Exchange
 from .launch import comm_from_env, describe_ranks, install_fault_handlers, node_groups
 from .layout import ROW_KINDS, Layout
@@ -107,9 +107,11 @@ class DistributedDLRM(DLRM, comm_variant=True):
         plan = err = None
         if self.rank == 0:
             try:
+                b = -(-req["batch"] // self.nranks)
                 plan = plan_sharding(self.embedding_sizes, self.embedding_dim, req["pooling"], req["batch"],
                                      self.nranks, memory, req["network"] or Network(), kinds=req["sharding"],
-                                     nodes=nodes, mlp_bytes=self._mlp_bytes(), top_layers=len(self.top_mlp) - 1)
+                                     nodes=nodes, mlp_bytes=self._mlp_bytes(), top_layers=len(self.top_mlp) - 1,
+                                     dense=dense_estimate(self.bottom_mlp, self.top_mlp, b))
             except ValueError as e:
                 err = str(e)
         plan, err = self.comm.bcast((plan, err), root=0)

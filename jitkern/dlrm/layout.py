@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .placement import batch_slices
+from .sharding import Scratch
 
 ROW_KINDS = ("row", "table_row")
 
@@ -56,6 +57,7 @@ class Layout:
         self._dout = np.empty(batch * D, np.float32)
         self._ly: dict = {}
         self._replica: dict = {}
+        self.int_scratch = Scratch()
 
     def _ids(self, plan, rows) -> None:
         """Stage one of the row shards' lookups: the per-bag lengths, a fixed layout."""

@@ -27,6 +27,7 @@ from .costmodel import KINDS, Load, Network, Rates, TableLoad, add_table, estima
 
 OPTIMIZER_STATE = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adagrad": (0, 4)}   # bytes per row, per element
 AUTO = "auto"
+STEP_TOLERANCE = 0.005       # plans within this share of the best predicted step count as equally fast
 
 
 def _even(n: int, k: int) -> tuple:
@@ -250,19 +251,19 @@ def _improve(chosen: list, order, options, pb: _Problem, passes: int = 4) -> lis
         for t in order:
             base = total - pb.delta(t, chosen[t])[0] if chosen[t] is not None else total
             others = [s.kind for u, s in enumerate(chosen) if s is not None and u != t]
-            best = None
+            found = []
             for pref, kind in enumerate(options[t]):
                 for cand in _candidates(t, kind, base, pb, len(options[t]) == 1):
                     trial = base + pb.delta(t, cand)[0]
-                    if (trial.mem > pb.limit).any():
-                        continue
-                    key = (*pb.score(trial, others + [cand.kind]), pref)
-                    if cand == chosen[t]:
-                        key = (key[0] * (1 - 1e-9), *key[1:])     # keep the current choice on a tie
-                    if best is None or key < best[0]:
-                        best = (key, cand, trial)
-            if best is None:
+                    if not (trial.mem > pb.limit).any():
+                        found.append((*pb.score(trial, others + [cand.kind]), pref, cand != chosen[t], cand, trial))
+            if not found:
                 return None
+            # the simplest kind (then the least work, then the current choice) among those within
+            # STEP_TOLERANCE of the best predicted step
+            fastest = min(f[0] for f in found)
+            best = min((f for f in found if f[0] <= fastest * (1 + STEP_TOLERANCE)), key=lambda f: (f[2], f[1], f[3]))
+            best = (None, best[4], best[5])
             if best[1] != chosen[t]:
                 chosen[t], total, changed = best[1], best[2], True
         if not changed:

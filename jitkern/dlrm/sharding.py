@@ -112,20 +112,38 @@ def slice_bags(offsets, indices, lo, hi):
     return offsets[lo:hi] - start, indices[start:end]
 
 
-def bucket(offsets, indices, bounds):
+class Scratch:
+    """Grow-only named buffers, reused step after step (fresh NumPy temporaries of a batch's size
+    cost more in page faults than the arithmetic on them)."""
+
+    def __init__(self):
+        self._bufs: dict = {}
+
+    def __call__(self, name, n: int, dtype=np.int64) -> np.ndarray:
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            buf = self._bufs[name] = np.empty(max(n, 1), dtype)
+        return buf[:n]
+
+
+def bucket(offsets, indices, bounds, scratch=None, name="rows"):
     """Sort one table's lookups of some bags by row shard, keeping each shard's in position order.
 
     offsets: (b,) int64 from 0, indices: (n,) int64, bounds: (k+1,) even row bounds (planner's
     ceil(j R / k), so the shard of row i is i * k // R) -> (lengths (k, b): lookups of each bag
     in each shard, rows (n,): rows minus their shard's first row, grouped by shard, ends (k+1,)).
+    scratch: a Scratch for the temporaries; the rows land in its buffer `name`.
     """
+    scratch = scratch or Scratch()
     b, n, k, R = len(offsets), len(indices), len(bounds) - 1, bounds[-1]
-    sizes = np.diff(offsets, append=n)
-    shard = indices * k // R
-    lengths = np.bincount(shard * b + np.repeat(np.arange(b), sizes), minlength=k * b).reshape(k, b)
-    order = np.argsort(shard.astype(np.int16 if k < 1 << 15 else np.int32), kind="stable")
-    s = shard[order]
-    rows = indices[order] - np.asarray(bounds, np.int64)[s]
+    shard, local, key = scratch("shard", n), scratch("local", n), scratch("key", n)
+    np.floor_divide(np.multiply(indices, k, out=shard), R, out=shard)
+    np.add(np.floor_divide(np.multiply(shard, -R, out=local), k, out=local), indices, out=local)
+    np.add(np.multiply(shard, b, out=key), np.repeat(np.arange(b), np.diff(offsets, append=n)), out=key)
+    lengths = np.bincount(key, minlength=k * b).reshape(k, b)
+    small = scratch("shard16", n, np.int16 if k < 1 << 15 else np.int32)
+    np.copyto(small, shard, casting="unsafe")
+    rows = np.take(local, np.argsort(small, kind="stable"), out=scratch(name, n))
     ends = np.zeros(k + 1, np.int64)
     np.cumsum(lengths.sum(axis=1), out=ends[1:])
     return lengths, rows, ends
@@ -260,7 +278,7 @@ class RowShard(Shard):
     def bucket(self, st) -> None:
         lay, t = st.layout, self.t
         off, idx = slice_bags(st.offsets[t], st.indices[t], lay.lo, lay.hi)
-        lengths, rows, ends = bucket(off, idx, self.spec.bounds)
+        lengths, rows, ends = bucket(off, idx, self.spec.bounds, lay.int_scratch, ("rows", t))
         for j, s in enumerate(self.spec.ranks):
             lay.ids_len_out[s, t][...] = lengths[j]
             st.ids_out[s, t] = rows[ends[j]:ends[j + 1]]
