@@ -130,13 +130,15 @@ class Layout:
         P = self.nranks
         parts = [[ids_out[s, t] for t in self.ids_tables_to[s]] for s in range(P)]
         send_counts = np.array([sum(len(a) for a in p) for p in parts], np.int64)
-        send = np.concatenate([a for p in parts for a in p]) if send_counts.sum() else np.empty(0, np.int64)
+        send = self.int_scratch("ids_send", int(send_counts.sum()))
+        if len(send):
+            np.concatenate([a for p in parts for a in p], out=send)
         sizes = [[int(self.ids_len_in[q, t].sum()) for t in self.ids_tables_from[q]] for q in range(P)]
         recv_counts = np.array([sum(s) for s in sizes], np.int64)
-        recv = np.empty(int(recv_counts.sum()), np.int64)
+        recv = self.int_scratch("ids_recv", int(recv_counts.sum()))
         views, o = {}, 0
         for q in range(P):
             for t, n in zip(self.ids_tables_from[q], sizes[q]):
                 views[q, t] = recv[o:o + n]
                 o += n
-        return send.astype(np.int64, copy=False), send_counts, recv, recv_counts, views
+        return send, send_counts, recv, recv_counts, views

@@ -286,9 +286,12 @@ class RowShard(Shard):
     def lookups(self, st):
         """(offsets (B,), rows) of the whole batch's lookups into my rows, from every rank's slice."""
         lay, t = st.layout, self.t
-        lengths = np.concatenate([lay.ids_len_in[q, t] for q in range(lay.nranks)])
-        rows = np.concatenate([st.ids_in[q, t] for q in range(lay.nranks)])
-        off = np.zeros(len(lengths), np.int64)
+        parts = [st.ids_in[q, t] for q in range(lay.nranks)]
+        rows = np.concatenate(parts, out=lay.int_scratch(("bags", t), sum(len(p) for p in parts)))
+        lengths = np.concatenate([lay.ids_len_in[q, t] for q in range(lay.nranks)],
+                                 out=lay.int_scratch("lengths", lay.batch))
+        off = lay.int_scratch(("offsets", t), lay.batch)
+        off[:1] = 0
         np.cumsum(lengths[:-1], out=off[1:])
         st.row_bags[t] = (off, rows)
         return off, rows

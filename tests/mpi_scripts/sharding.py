@@ -1,26 +1,33 @@
 """Run under mpiexec: every sharding kind (and a mixed plan) against one process; rank 0 prints JSON.
 
-usage: mpiexec -n P python sharding.py contract|train|adagrad
+usage: [mpiexec -n P] python sharding.py MODE [MODE ...]
 
-contract: the embedding layer alone (pool, then a fixed pooled gradient, then the update), three
-          steps: the pooled rows and the tables against one process, per kind and precision.
-train:    whole training steps, a forward and a load per kind and precision: losses, every weight,
-          probabilities, replicas bit-identical.
+contract[-fp32]: the embedding layer alone (pool, then a fixed pooled gradient, then the update),
+          three steps: the pooled rows and the tables against one process, per kind (and precision).
+train:    whole training steps, a forward and a load, every kind in fp32 and the mixed plan in
+          bf16: losses, every weight, probabilities, replicas bit-identical.
+train-mixed: the same for the mixed plan only, fp32 and bf16.
 adagrad:  row-wise Adagrad on column pieces (per-row squares summed over the column group) against
           ops.embedding_bag_adagrad_ on the whole table.
+save=DIR: train the mixed plan two steps, save a sharded checkpoint to DIR and the full model to
+          DIR/../expected.npz; load=DIR: load it (auto plan; one process: a plain DLRM), compare.
 """
 import json
+import os
 import sys
 import zlib
 
 import numpy as np
 
 from jitkern import ops
-from jitkern.dlrm.launch import comm_from_env
+from jitkern.dlrm import dist_checkpoint
+from jitkern.config import get_config
+from jitkern.dlrm.launch import comm_from_env, node_groups
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.planner import TableSharding, plan_sharding
 from jitkern.dlrm.sharding import ColumnGroup, RowwiseAdagrad, make_shard
 from jitkern.dlrm.synth import random_batch
+from jitkern.dlrm.train import model_arch
 
 SIZES = [3, 50, 2000, 700, 5000, 64, 1200, 3000]
 DIM = 16
@@ -34,9 +41,11 @@ def batches(rs, n, batch, pooling=4):
     return out
 
 
-def sharding_for(kind, P):
+def sharding_for(kind, comm):
+    """A kind for every table, or the mixed plan (every kind; table_row inside a node)."""
     if kind == "mixed":
-        return plan_sharding(SIZES, DIM, 4, 67, P, kinds=MIXED)
+        nodes = node_groups(comm, get_config().ranks_per_node)
+        return plan_sharding(SIZES, DIM, 4, 67, comm.Get_size(), kinds=MIXED, nodes=nodes)
     return kind
 
 
@@ -62,9 +71,9 @@ def embedding_step(m, b, dly, lr, comm):
     return ly, lo, hi
 
 
-def contract(comm):
-    P, out = comm.Get_size(), {}
-    for precision in ("fp32", "bf16"):
+def contract(comm, precisions=("fp32", "bf16")):
+    out = {}
+    for precision in precisions:
         for kind in ("table", "column", "row", "table_row", "replicate"):
             dist = DLRM(**ARCH, embedding_precision=precision, comm=comm, sharding=kind)
             single = DLRM(**ARCH, embedding_precision=precision)
@@ -83,32 +92,33 @@ def contract(comm):
     return out
 
 
-def train(comm):
+def train(comm, cases=None):
     P, out = comm.Get_size(), {}
-    for precision in ("fp32", "bf16"):
-        for kind in ("table", "column", "row", "table_row", "replicate", "mixed"):
-            arch = dict(ARCH, interaction="cat" if kind == "mixed" else "dot", embedding_precision=precision)
-            dist = DLRM(**arch, comm=comm, sharding=sharding_for(kind, P))
-            single = DLRM(**arch)
-            bs = batches(np.random.RandomState(3), 3, 67)
-            losses_d = [dist.train_step(b.dense, b.offsets, b.indices, b.labels, 0.2) for b in bs]
-            losses_s = [single.train_step(b.dense, b.offsets, b.indices, b.labels, 0.2) for b in bs]
-            probs_d = dist.forward(bs[0].dense, bs[0].offsets, bs[0].indices)
-            probs_s = single.forward(bs[0].dense, bs[0].offsets, bs[0].indices)
-            sd_d, sd_s = dist.state_dict(), single.state_dict()
-            mine = b"".join(sd_d[k].tobytes() for k in sorted(sd_d)) + np.array(losses_d).tobytes()
-            dist.load_state_dict(single.state_dict())
-            probs_l = dist.forward(bs[1].dense, bs[1].offsets, bs[1].indices)
-            key = f"{precision} {kind}"
-            out[key] = {
-                "kinds": list(dist.plan.kinds()),
-                "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses_d, losses_s)),
-                "weight_err": max(float(np.abs(sd_d[k] - sd_s[k]).max()) for k in sd_s),
-                "probs_err": float(np.abs(probs_d - probs_s).max()),
-                "load_probs_err": float(np.abs(probs_l - single.forward(bs[1].dense, bs[1].offsets,
-                                                                         bs[1].indices)).max()),
-                "replicas_identical": len(set(comm.allgather(zlib.crc32(mine)))) == 1,
-            }
+    cases = cases or [("fp32", k) for k in ("table", "column", "row", "table_row", "replicate", "mixed")] + \
+        [("bf16", "mixed")]
+    for precision, kind in cases:
+        arch = dict(ARCH, interaction="cat" if kind == "mixed" else "dot", embedding_precision=precision)
+        dist = DLRM(**arch, comm=comm, sharding=sharding_for(kind, comm))
+        single = DLRM(**arch)
+        bs = batches(np.random.RandomState(3), 3, 67)
+        losses_d = [dist.train_step(b.dense, b.offsets, b.indices, b.labels, 0.2) for b in bs]
+        losses_s = [single.train_step(b.dense, b.offsets, b.indices, b.labels, 0.2) for b in bs]
+        probs_d = dist.forward(bs[0].dense, bs[0].offsets, bs[0].indices)
+        probs_s = single.forward(bs[0].dense, bs[0].offsets, bs[0].indices)
+        sd_d, sd_s = dist.state_dict(), single.state_dict()
+        mine = b"".join(sd_d[k].tobytes() for k in sorted(sd_d)) + np.array(losses_d).tobytes()
+        dist.load_state_dict(single.state_dict())
+        probs_l = dist.forward(bs[1].dense, bs[1].offsets, bs[1].indices)
+        out[f"{precision} {kind}"] = {
+            "kinds": list(dist.plan.kinds()),
+            "ranks": [list(t.ranks) for t in dist.plan.tables],
+            "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses_d, losses_s)),
+            "weight_err": max(float(np.abs(sd_d[k] - sd_s[k]).max()) for k in sd_s),
+            "probs_err": float(np.abs(probs_d - probs_s).max()),
+            "load_probs_err": float(np.abs(probs_l - single.forward(bs[1].dense, bs[1].offsets,
+                                                                     bs[1].indices)).max()),
+            "replicas_identical": len(set(comm.allgather(zlib.crc32(mine)))) == 1,
+        }
     return out
 
 
@@ -138,12 +148,53 @@ def adagrad(comm):
             "state_exact": all(comm.allgather(bool(np.array_equal(shard.state, state))))}
 
 
-def main(mode):
-    comm = comm_from_env()
-    out = {"contract": contract, "train": train, "adagrad": adagrad}[mode](comm)
+def save(comm, path):
+    """Train the mixed plan two steps; save it sharded to `path`, the full model beside it."""
+    model = DLRM(**ARCH, comm=comm, sharding=sharding_for("mixed", comm))
+    for b in batches(np.random.RandomState(5), 2, 31)[:2]:
+        model.train_step(b.dense, b.offsets, b.indices, b.labels, 0.1)
+    dist_checkpoint.save_checkpoint(path, model, {"step": 2}, model_arch(model))
+    full = model.state_dict()
     if comm.Get_rank() == 0:
-        print(json.dumps({"ranks": comm.Get_size(), **out}), flush=True)
+        np.savez(os.path.join(path, "..", "expected.npz"), **full)
+    return {"saved_kinds": list(model.plan.kinds())}
+
+
+def load(comm, path):
+    """Load the checkpoint (every table row-wise, or one process), compare every array, train a step."""
+    model = DLRM(**ARCH, comm=comm, **({} if comm is None else {"sharding": "row"}))
+    meta = dist_checkpoint.load_checkpoint(path, model, model_arch(model))
+    full = model.state_dict()
+    expected = np.load(os.path.join(path, "..", "expected.npz"))
+    err = max(float(np.abs(full[k] - expected[k]).max()) for k in expected.files)
+    b = batches(np.random.RandomState(6), 1, 31)[0]
+    loss = model.train_step(b.dense, b.offsets, b.indices, b.labels, 0.1)
+    return {"step": meta["step"], "load_err": err, "loss_after": loss,
+            "kinds": list(model.plan.kinds()) if comm is not None else []}
+
+
+def main(modes):
+    comm = comm_from_env()
+    out = {"ranks": 1 if comm is None else comm.Get_size()}
+    for mode in modes:
+        name, _, arg = mode.partition("=")
+        if name == "contract":
+            out.update(contract(comm))
+        elif name == "contract-fp32":
+            out.update(contract(comm, ("fp32",)))
+        elif name == "train":
+            out.update(train(comm))
+        elif name == "train-mixed":
+            out.update(train(comm, [("fp32", "mixed"), ("bf16", "mixed")]))
+        elif name == "adagrad":
+            out["adagrad"] = adagrad(comm)
+        elif name == "save":
+            out.update(save(comm, arg))
+        elif name == "load":
+            out.update(load(comm, arg))
+    if comm is None or comm.Get_rank() == 0:
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
