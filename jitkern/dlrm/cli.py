@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before training, tune the kernels for this model's shapes where the tuning DB "
                         "has no entry yet (stored: later runs time nothing)")
     e.add_argument("--profile", action="store_true", default=False, help="print a per-op time table at the end")
+    _add_rank_flags(p)
+    e.add_argument("--plot", default="", metavar="FILE.png", help="loss and AUC curves (needs matplotlib)")
+    e.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="tqdm progress bar")
+    return p
+
+
+def _add_rank_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("many ranks (mpiexec)")
     m.add_argument("--sharding", choices=("auto", "table", "row", "column", "table_row", "replicate"), default="auto",
                    help="how tables are split over the ranks: auto (the cost-model planner), or one kind for every "
@@ -93,9 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--rank-memory-gb", type=float, default=0.0,
                    help="memory per rank the plan must fit, GB (0: this machine's RAM over its ranks); a table "
                         "larger than it is split row-wise")
-    e.add_argument("--plot", default="", metavar="FILE.png", help="loss and AUC curves (needs matplotlib)")
-    e.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="tqdm progress bar")
-    return p
 
 
 # --------------------------------------------------------------------------- data

@@ -39,7 +39,7 @@ CONFIGS = {
     "kaggle": ModelConfig(KAGGLE_TABLES, 16, (13, 512, 256, 64, 16), (512, 256, 1)),
     "kaggle-multihot": ModelConfig(KAGGLE_TABLES, 16, (13, 512, 256, 64, 16), (512, 256, 1), lookups=20),
     "mlperf": ModelConfig((200_000,) * 26, 128, (13, 512, 256, 128), (1024, 1024, 512, 256, 1)),
-    # the MLPerf model at full size: 5 tables of 25-40M rows, 98 GB of fp32 tables (plan it, do not allocate it)
+    # the MLPerf model at full size: 5 tables of 25-40M rows, 96 GB of fp32 tables (plan it, do not allocate it)
     "mlperf-full": ModelConfig(CRITEO_TB_TABLES, 128, (13, 512, 256, 128), (1024, 1024, 512, 256, 1)),
     "paper-small": ModelConfig((1_000_000,) * 8, 64, (512, 512, 64), (1024, 1024, 1024, 1), lookups=100),
     # a quick check that everything runs
