@@ -3,15 +3,16 @@
     python -m jitkern scale --config paper-small --ranks 64 --bandwidth 12.5 --latency 2
     python -m jitkern scale --config mlperf-full --ranks 8 --rank-memory-gb 24 --plan-only
 
-Compute comes from rates measured here, on this CPU, at the shapes one rank of P runs: the MLPs,
-interaction and loss on its batch slice (B/P rows); each table piece's embedding forward and
-sparse update at its own shape (rows, width, lookups) for the whole global batch (replicated
-tables: the slice's lookups, then the touched rows' update); copies, NumPy calls and bucketing
-from small measurements. The step-time cost model (costmodel.py) adds exact message sizes over a
-link of the given bandwidth and per-message latency and the overlap the implementation has. The
-planner (planner.py) chooses each table's sharding with that model; the whole-table placement
-(placement.py, tiny tables replicated) and every sharding kind forced on all tables are
-predicted under the same rates for comparison.
+Compute comes from rates measured here, on this CPU, in CPU time of the measuring thread (one
+kernel thread per rank: other processes on the machine do not inflate them), at the shapes one
+rank of P runs: the MLPs, interaction and loss on its batch slice (B/P rows); each table piece's
+embedding forward and sparse update at its own shape (rows, width, lookups) for the whole global
+batch (replicated tables: the slice's lookups, then the touched rows' update); copies, NumPy calls
+and bucketing from small measurements. The step-time cost model (costmodel.py) adds exact message
+sizes over a link of the given bandwidth and per-message latency and the overlap the
+implementation has. The planner (planner.py) chooses each table's sharding with that model; the
+whole-table placement (placement.py, tiny tables replicated) and every sharding kind forced on all
+tables are predicted under the same rates for comparison.
 """
 from __future__ import annotations
 
@@ -37,37 +38,47 @@ MEASURE_BYTES = 1 << 30      # table pieces up to this size are timed; larger on
 # --------------------------------------------------------------------------- measured rates
 
 
+# Rates are this thread's CPU time (kernels run on one thread here): what the work costs on a core
+# of its own, even where other processes share the machine; the fastest of several calls.
+CLOCK = time.thread_time
+
+
 def _min_time(fn, reps):
-    """The fastest of `reps` timed calls after one untimed: the CPU's rate with the least
-    interference from other processes (the machine may be shared)."""
+    """The fastest of `reps` timed calls after one untimed, in CPU seconds of this thread."""
     fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return float(min(times))
 
 
-def measure_dense(cfg: ModelConfig, rows: int, reps: int = 5) -> dict:
-    """Per-stage seconds of a train step at `rows` (each stage's fastest of `reps` steps), tables
-    shrunk to 4 rows (their cost is not wanted)."""
+def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> dict:
+    """Per-stage seconds of a train step at `rows` (one size, or several: -> {rows: stages}), tables
+    shrunk to 4 rows (their cost is not wanted). Each stage's fastest of `reps` steps; several
+    sizes are timed in turns, so every size sees the machine as the others do."""
     from .model import DLRM, StageTimer
 
+    sizes = sorted({int(r) for r in np.atleast_1d(rows)})
     tiny = dataclasses.replace(cfg, sizes=(4,) * len(cfg.sizes))
     m = DLRM(**tiny.model_kwargs(), seed=0)
-    m.timer = timer = StageTimer()
-    b = config_batch(tiny, rows)
-    batch = (b.dense, b.offsets, b.indices, b.labels)
-    for _ in range(2):
-        m.train_step(*batch, 0.01)
-    best = {}
+    m.timer = timer = StageTimer(CLOCK)
+    batches = {}
+    for r in sizes:
+        b = config_batch(tiny, r)
+        batches[r] = (b.dense, b.offsets, b.indices, b.labels)
+        for _ in range(2):
+            m.train_step(*batches[r], 0.01)
+    best = {r: {} for r in sizes}
     for _ in range(reps):
-        timer.reset()
-        m.train_step(*batch, 0.01, check=False)
-        for k, v in timer.seconds.items():
-            best[k] = min(best.get(k, v), v)
-    return {k: v for k, v in best.items() if not k.startswith("embedding")}
+        for r in sizes:
+            timer.reset()
+            m.train_step(*batches[r], 0.01, check=False)
+            for k, v in timer.seconds.items():
+                if not k.startswith("embedding"):
+                    best[r][k] = min(best[r].get(k, v), v)
+    return best if np.ndim(rows) else best[sizes[0]]
 
 
 def config_batch(cfg: ModelConfig, rows: int):
@@ -276,16 +287,15 @@ def plan_only(cfg: ModelConfig, args, network: Network) -> int:
     return 0
 
 
-def report_mode(cfg: ModelConfig, mode: str, args, rates: Rates, network: Network) -> None:
+def report_mode(cfg: ModelConfig, mode: str, args, rates: Rates, network: Network, dense_at: dict) -> None:
     """The one-process base, the planned sharding, the whole-table placement and every kind forced,
     at --ranks; then the planner's gain and its plan."""
     P = args.ranks
     batch = args.batch * P if mode == "weak" else args.batch
     b = max(hi - lo for lo, hi in batch_slices(batch, P))
-    print(f"  measuring {mode}: dense stages at {args.batch} and {b} rows, table pieces at {batch} samples ...",
-          flush=True)
-    base = one_process(cfg, args.batch, measure_dense(cfg, args.batch), rates)
-    dense = measure_dense(cfg, b)
+    print(f"  measuring {mode}: table pieces at {batch} samples ...", flush=True)
+    base = one_process(cfg, args.batch, dense_at[args.batch], rates)
+    dense = dense_at[b]
     kinds = ("table", "column", "row", "replicate") + (("table_row",) if args.ranks_per_node else ())
     plan, preds = predictions(cfg, P, batch, dense, rates, network, kinds=kinds,
                               memory=args.rank_memory_gb * 1e9 or None)
@@ -311,6 +321,11 @@ def main(argv=None) -> int:
     print(f"scaling model: {args.config}, {args.bandwidth} GB/s, {args.latency} us per message, "
           f"{args.threads} thread(s) per rank, rates measured on this CPU (NumPy call {rates.np_us:.2f} us, "
           f"copies {rates.copy_gbs:.1f} GB/s, bucketing {rates.bucket_ns:.1f} ns per lookup)")
-    for mode in (("strong", "weak") if args.mode == "both" else (args.mode,)):
-        report_mode(cfg, mode, args, rates, network)
+    modes = ("strong", "weak") if args.mode == "both" else (args.mode,)
+    rows = {args.batch} | {max(hi - lo for lo, hi in batch_slices(args.batch, args.ranks))} if "strong" in modes \
+        else {args.batch}
+    print(f"  measuring the dense stages at {sorted(rows)} rows ...", flush=True)
+    dense_at = measure_dense(cfg, sorted(rows), reps=7)
+    for mode in modes:
+        report_mode(cfg, mode, args, rates, network, dense_at)
     return 0

@@ -191,15 +191,16 @@ class Shard:
             chunk = rs.uniform(low=-bound, high=bound, size=(r1 - r0, D))
             lo, hi = max(r0, a0), min(r1, a1)
             w[lo - a0:hi - a0] = chunk[lo - r0:hi - r0, c0:c1]
-        self.write(w)
+        self.weight = ops.SplitBF16Table.from_float32(w) if self.precision == "bf16" else w
+        self.state = self.optimizer.state(*w.shape)
 
     def write(self, block) -> None:
         """Set my region from an fp32 (rows, width) block."""
         if self.precision == "bf16":
             self.weight = ops.SplitBF16Table.from_float32(np.ascontiguousarray(block, np.float32))
-        elif self.weight is None:
-            self.weight = np.array(block, np.float32)
         else:
+            if self.weight is None:
+                self.weight = empty_table(*block.shape)
             np.copyto(self.weight, block)
         if self.state is None:
             self.state = self.optimizer.state(*self.weight.shape)
@@ -382,6 +383,10 @@ class ReplicatedShard(Shard):
     touches many: the same choice on every rank) and every replica applies the same update."""
     kind = "replicate"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._arange = np.arange(self.rows, dtype=np.int64)     # every row; one bag per row
+
     def lookup(self, st) -> None:
         lay, t = st.layout, self.t
         off, idx = slice_bags(st.offsets[t], st.indices[t], lay.lo, lay.hi)
@@ -408,10 +413,10 @@ class ReplicatedShard(Shard):
         return buf
 
     def update(self, st) -> None:
+        """Every replica applies the summed gradient, one bag per row."""
         touched, grad = st.replica[self.t]
-        rows = np.arange(self.rows, dtype=np.int64) if touched is None else touched
-        self.optimizer.update(self.weight, self.state, rows, np.arange(len(rows), dtype=np.int64), grad, st.lr,
-                              None)
+        rows = self._arange if touched is None else touched
+        self.optimizer.update(self.weight, self.state, rows, self._arange[:len(rows)], grad, st.lr, None)
 
 
 SHARDS = {"table": TableShard, "column": ColumnShard, "row": RowShard, "table_row": TableRowShard,
