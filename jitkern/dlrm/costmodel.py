@@ -63,15 +63,16 @@ class Rates:
 
     lookup_ns: ((width, ns cached, ns from DRAM), ...) per lookup (forward + update); tables up to
     cache_bytes count as cached. call_us: an embedding op call's fixed cost; np_us: a NumPy call's
-    on a block; copy_gbs: block copies and sums; bucket_ns: per lookup, sorting a slice's lookups
-    by row shard (and, on the shard, joining them).
+    on a block (with the view lookup around it); copy_gbs: block copies and sums; bucket_ns,
+    bucket_us: per lookup and per table, sorting a slice's lookups by row shard.
     """
     lookup_ns: tuple = DEFAULT_LOOKUP_NS
     cache_bytes: int = 8 << 20
     call_us: float = 6.0
     np_us: float = 1.0
     copy_gbs: float = 10.0
-    bucket_ns: float = 25.0
+    bucket_ns: float = 12.0
+    bucket_us: float = 30.0
 
     def lookup_seconds(self, width: int, table_bytes: int) -> float:
         """Seconds per lookup at this row width in a table of this size (interpolated by width)."""
@@ -92,7 +93,7 @@ class Rates:
         return nbytes / (self.copy_gbs * 1e9) + calls * self.np_us * 1e-6
 
     def bucket(self, nnz):
-        return nnz * self.bucket_ns * 1e-9 + 12 * self.np_us * 1e-6
+        return nnz * self.bucket_ns * 1e-9 + self.bucket_us * 1e-6
 
 
 _ARRAYS = ("comp", "pre", "send", "recv", "ids", "node", "mem")

@@ -132,24 +132,30 @@ class MeasuredRates(Rates):
         return self.cache[key]
 
 
-def calibrate(reps: int = 200) -> dict:
-    """The cost model's small rates on this CPU: a NumPy call on a block, block copy bandwidth,
-    bucketing lookups by row shard (per lookup)."""
+def calibrate() -> dict:
+    """The cost model's small rates on this CPU: an embedding op's and a NumPy block copy's fixed
+    cost (views looked up as the shardings do), block copy bandwidth, bucketing lookups by row
+    shard (per lookup and per call)."""
+    from .. import ops
     from .sharding import Scratch, bucket
 
-    small = np.zeros((32, 64), np.float32)
-    src = np.ones((32, 64), np.float32)
-    np_us = _min_time(lambda: [small.__setitem__(slice(None), src) for _ in range(100)], 5) / 100 * 1e6
+    views = {(q, 0): np.zeros((32, 64), np.float32) for q in range(4)}
+    src = np.ones((128, 64), np.float32)
+    np_us = _min_time(lambda: [views[q, 0].__setitem__(Ellipsis, src[32 * q:32 * q + 32])
+                               for _ in range(25) for q in range(4)], 5) / 100 * 1e6
+    w, one = np.ones((4, 16), np.float32), np.zeros(1, np.int64)
+    call_us = _min_time(lambda: [ops.embedding_bag_forward(w, one, one) for _ in range(100)], 5) / 100 * 1e6
     big, dst = np.ones((8192, 512), np.float32), np.empty((8192, 512), np.float32)   # 16 MB: past the L2s
     copy_gbs = big.nbytes / _min_time(lambda: np.copyto(dst, big), 10) / 1e9
-    rs = np.random.default_rng(0)
+    rs, scratch = np.random.default_rng(0), Scratch()
+    bounds = tuple(-(-j * 1_000_000 // 8) for j in range(9))
     n, b = 1 << 18, 1 << 13
     idx = rs.integers(0, 1_000_000, n, dtype=np.int64)
-    off = np.arange(b, dtype=np.int64) * (n // b)
-    bounds = tuple(-(-j * 1_000_000 // 8) for j in range(9))
-    scratch = Scratch()
-    bucket_ns = _min_time(lambda: bucket(off, idx, bounds, scratch), 5) / n * 1e9
-    return dict(np_us=np_us, copy_gbs=copy_gbs, bucket_ns=bucket_ns)
+    big_s = _min_time(lambda: bucket(np.arange(b, dtype=np.int64) * (n // b), idx, bounds, scratch), 5)
+    small = np.arange(32, dtype=np.int64)
+    bucket_us = _min_time(lambda: [bucket(small, small * 1000, bounds, scratch) for _ in range(20)], 5) / 20 * 1e6
+    return dict(np_us=np_us, call_us=call_us, copy_gbs=copy_gbs, bucket_us=bucket_us,
+                bucket_ns=max(big_s - bucket_us * 1e-6, 0.0) / n * 1e9)
 
 
 def measured_rates() -> MeasuredRates:
@@ -319,8 +325,9 @@ def main(argv=None) -> int:
     set_num_threads(args.threads)
     rates = measured_rates()
     print(f"scaling model: {args.config}, {args.bandwidth} GB/s, {args.latency} us per message, "
-          f"{args.threads} thread(s) per rank, rates measured on this CPU (NumPy call {rates.np_us:.2f} us, "
-          f"copies {rates.copy_gbs:.1f} GB/s, bucketing {rates.bucket_ns:.1f} ns per lookup)")
+          f"{args.threads} thread(s) per rank, rates measured on this CPU (NumPy block op {rates.np_us:.2f} us, "
+          f"embedding op {rates.call_us:.1f} us, copies {rates.copy_gbs:.1f} GB/s, bucketing {rates.bucket_us:.0f} us + "
+          f"{rates.bucket_ns:.1f} ns per lookup)")
     modes = ("strong", "weak") if args.mode == "both" else (args.mode,)
     rows = {args.batch} | {max(hi - lo for lo, hi in batch_slices(args.batch, args.ranks))} if "strong" in modes \
         else {args.batch}
