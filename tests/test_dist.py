@@ -277,6 +277,7 @@ def test_every_sharding_matches_one_process(ranks, modes):
     _check_training(out, cases)
     if "adagrad" in out:      # row-wise Adagrad on column pieces: the same as on the whole table
         assert out["adagrad"]["weight_err"] == 0.0 and out["adagrad"]["state_exact"], out["adagrad"]
+        assert out["adagrad"]["model_err"] < 1e-6, out["adagrad"]
 
 
 @needs_mpi

@@ -28,7 +28,7 @@ from .layout import ROW_KINDS, Layout
 from .model import DLRM, StageTimer, StepContext
 from .placement import batch_slices
 from .planner import AUTO, ShardingPlan, plan_sharding
-from .sharding import SGD, make_shard
+from .sharding import SGD, ColumnGroup, TableOptimizer, make_shard
 
 __all__ = ["DistributedDLRM", "comm_from_env"]  # comm_from_env: launch.py's, kept importable from here
 
@@ -119,6 +119,17 @@ class DistributedDLRM(DLRM, comm_variant=True):
             raise ValueError(err)
         return plan
 
+    def _table_optimizer(self) -> TableOptimizer:
+        """The optimizer every table piece updates through (the model trains its tables by SGD)."""
+        return SGD()
+
+    def _column_group(self, t: int, spec, opt: TableOptimizer):
+        """For a column-sharded table whose optimizer needs whole rows: the communicator of its
+        column pieces (created by its members only, in table order), else None."""
+        if spec.kind != "column" or not opt.needs_group or self.rank not in spec.ranks:
+            return None
+        return ColumnGroup(self.comm.Create_group(self.comm.group.Incl(list(spec.ranks)), t), self.embedding_dim)
+
     def _mlp_bytes(self) -> int:
         return sum(4 * (n * m + m) for sizes in (self.bottom_mlp, self.top_mlp) for n, m in zip(sizes[:-1], sizes[1:]))
 
@@ -127,8 +138,9 @@ class DistributedDLRM(DLRM, comm_variant=True):
         # draws every table's init numbers in order (one process's stream) and keeps its pieces:
         # the MLPs' init, drawn after the tables, then match too.
         self.plan = self._make_plan()
+        opt = self._table_optimizer()
         self.shards = [make_shard(t, spec, rows, self.embedding_dim, self.rank, precision=self.embedding_precision,
-                                  optimizer=SGD())
+                                  optimizer=opt, group=self._column_group(t, spec, opt))
                        for t, (spec, rows) in enumerate(zip(self.plan.tables, self.embedding_sizes))]
         for shard in self.shards:
             shard.init(rs)

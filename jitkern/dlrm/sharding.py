@@ -43,6 +43,7 @@ class TableOptimizer:
     and needs no group.
     """
     name = "sgd"
+    needs_group = False          # whether a column piece's update needs the other column pieces
 
     def state(self, rows: int, width: int):
         return None
@@ -61,6 +62,7 @@ class RowwiseAdagrad(TableOptimizer):
     sums of squares are summed over the column group first (in piece order, identical on every
     member), then each piece applies the same row steps to its columns (fp32 tables only)."""
     name = "rowwise_adagrad"
+    needs_group = True
 
     def __init__(self, eps: float = 1e-8):
         self.eps = float(eps)

@@ -22,6 +22,7 @@ import numpy as np
 from jitkern import ops
 from jitkern.dlrm import dist_checkpoint
 from jitkern.config import get_config
+from jitkern.dlrm.dist import DistributedDLRM
 from jitkern.dlrm.launch import comm_from_env, node_groups
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.planner import TableSharding, plan_sharding
@@ -109,6 +110,8 @@ def train(comm, cases=None):
         mine = b"".join(sd_d[k].tobytes() for k in sorted(sd_d)) + np.array(losses_d).tobytes()
         dist.load_state_dict(single.state_dict())
         probs_l = dist.forward(bs[1].dense, bs[1].offsets, bs[1].indices)
+        work = dist.workload(67, pooling=4)
+        assert work.tables and all(r >= 1 and d >= 1 for r, d, *_ in work.tables)
         out[f"{precision} {kind}"] = {
             "kinds": list(dist.plan.kinds()),
             "ranks": [list(t.ranks) for t in dist.plan.tables],
@@ -144,8 +147,21 @@ def adagrad(comm):
     r0, r1, c0, c1 = shard.region
     w_err = rel_err(shard.weight, whole.weight[:, c0:c1])
     s_err = rel_err(shard.state, state)
+    # the model's seam: a DistributedDLRM whose tables train by row-wise Adagrad, column-sharded
+    # (column groups made by the model) against table-wise (the op on whole tables)
+    models = [RowwiseAdagradDLRM(**ARCH, comm=comm, sharding=kind) for kind in ("column", "table")]
+    for b in batches(np.random.RandomState(4), 2, 67):
+        for m in models:
+            m.train_step(b.dense, b.offsets, b.indices, b.labels, 0.1)
+    sds = [m.state_dict() for m in models]
+    model_err = max(float(np.abs(sds[0][k] - sds[1][k]).max()) for k in sds[1])
     return {"weight_err": max(comm.allgather(w_err)), "state_err": max(comm.allgather(s_err)),
-            "state_exact": all(comm.allgather(bool(np.array_equal(shard.state, state))))}
+            "state_exact": all(comm.allgather(bool(np.array_equal(shard.state, state)))), "model_err": model_err}
+
+
+class RowwiseAdagradDLRM(DistributedDLRM):
+    def _table_optimizer(self):
+        return RowwiseAdagrad()
 
 
 def save(comm, path):
