@@ -145,7 +145,8 @@ def test_cost_model_prefers_splitting_hot_tables_over_whole_tables():
         plan = plan_sharding(cfg.sizes, cfg.dim, cfg.lookups, batch, P, dense=dense)
         whole = whole_table_plan(place_tables(cfg.sizes, cfg.dim, P))
         rates, net = Rates(), Network()
-        steps = [estimate(plan_load(p, cfg.lookups, batch, rates), p.kinds(), dense, 0, net).step for p in (plan, whole)]
+        steps = [estimate(plan_load(p, cfg.lookups, batch, rates), p.kinds(), dense, 0, net).step
+                 for p in (plan, whole)]
         assert "row" in plan.kinds() and steps[1] > gain * steps[0], steps
 
 

@@ -190,8 +190,8 @@ def _comm_rows(name, runs) -> list:
 
 
 def _print_report(rows, comm_rows, spread) -> None:
-    print_table(["config", "sharding", "mode", "P", "global B", "ms/step", "samples/s", "eff|speedup", "comm exposed ms",
-                 "comm hidden ms", "model ms", "model err", "cpu share", "loss = P1"], rows)
+    print_table(["config", "sharding", "mode", "P", "global B", "ms/step", "samples/s", "eff|speedup",
+                 "comm exposed ms", "comm hidden ms", "model ms", "model err", "cpu share", "loss = P1"], rows)
     print("eff = step(P=1) / step(P) at a fixed per-rank batch; speedup = step(P=1) / step(P) at a fixed global "
           "batch; medians over rounds, each of which launches the one-process run and every P-rank job once, "
           "in turn, so all see the same machine; comm columns are per step on "
@@ -201,8 +201,8 @@ def _print_report(rows, comm_rows, spread) -> None:
     if comm_rows:
         print("\nexchanges per step on rank 0 (link ms: bytes and latency on the measured link; exposed: time in "
               "MPI calls, incl. waiting for the other ranks; hidden: link time covered by compute):")
-        print_table(["config", "sharding", "P", "global B", "exchange", "calls", "MB sent", "link ms", "exposed ms", "hidden ms"],
-                    comm_rows)
+        print_table(["config", "sharding", "P", "global B", "exchange", "calls", "MB sent", "link ms", "exposed ms",
+                     "hidden ms"], comm_rows)
 
 
 def main(argv=None) -> int:
@@ -220,8 +220,9 @@ def main(argv=None) -> int:
     rows, comm_rows, spread = [], [], []
     for name in names:
         runs = _run_rounds(name, ranks, args)
-        spread.append(f"  {name}: " + "; ".join(f"{sh or '-'} P={p} B={b}: " + " ".join(f"{t * 1e3:.1f}" for t in r["rounds"])
-                                             for (sh, p, b), r in runs.items()))
+        spread.append(f"  {name}: " + "; ".join(
+            f"{sh or '-'} P={p} B={b}: " + " ".join(f"{t * 1e3:.1f}" for t in r["rounds"])
+            for (sh, p, b), r in runs.items()))
         link = next((r for (_, p, _), r in runs.items() if p > 1), {"link_gbs": 10.0, "latency_us": 1.0})
         bw, lat = max(link["link_gbs"], 0.1), link["latency_us"]
         rows += _scaling_rows(name, ranks, runs, (bw, lat), args, rates)

@@ -1,6 +1,6 @@
 """The DLRM trainer's command line: dlrm_s_pytorch.py's flags, plus --threads, --embedding-precision,
---autotune, --profile, --plot, and under mpiexec --sharding and --rank-memory-gb. Entry points: `python examples/dlrm_numba.py` and
-`python -m jitkern train`.
+--autotune, --profile and --plot (and --sharding, --rank-memory-gb under mpiexec). Entry points:
+`python examples/dlrm_numba.py` and `python -m jitkern train`.
 
 With no flags it trains a small model on learnable synthetic data for a few seconds.
 """
@@ -92,12 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of GB >= 0, got {text!r}")
+    return value
+
+
 def _add_rank_flags(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("many ranks (mpiexec)")
     m.add_argument("--sharding", choices=("auto", "table", "row", "column", "table_row", "replicate"), default="auto",
                    help="how tables are split over the ranks: auto (the cost-model planner), or one kind for every "
                         "table (the plan is printed at start)")
-    m.add_argument("--rank-memory-gb", type=float, default=0.0,
+    m.add_argument("--rank-memory-gb", type=_gigabytes, default=0.0,
                    help="memory per rank the plan must fit, GB (0: this machine's RAM over its ranks); a table "
                         "larger than it is split row-wise")
 
@@ -225,8 +235,6 @@ def _check_flags(args) -> None:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     if args.mini_batch_size < 1:
         raise ValueError(f"--mini-batch-size must be >= 1, got {args.mini_batch_size}")
-    if not args.rank_memory_gb >= 0:
-        raise ValueError(f"--rank-memory-gb must be >= 0, got {args.rank_memory_gb}")
 
 
 def _rank_log(comm, log):

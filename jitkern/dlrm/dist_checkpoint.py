@@ -130,8 +130,8 @@ def _open(path: str, entry: dict, shape: tuple, what: str) -> np.ndarray:
     """A memory map of one file, checked against its manifest entry (shape, dtype, checksum)."""
     try:
         a = np.load(os.path.join(path, entry["file"]), mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise ShardedCheckpointError(f"{path}: cannot read {entry['file']} ({err})") from None
+    except Exception as err:     # NumPy's header parser raises whatever its tokenizer and literal_eval do
+        raise ShardedCheckpointError(f"{path}: cannot read {entry['file']} ({type(err).__name__}: {err})") from None
     if a.shape != tuple(shape) or a.dtype != np.float32 or _crc(a) != entry["crc32"]:
         raise ShardedCheckpointError(f"{path}: {entry['file']} ({what}) is corrupt (shape, dtype or checksum mismatch)")
     return a

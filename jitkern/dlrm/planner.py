@@ -95,7 +95,8 @@ class TableSharding:
             raise ValueError(f"table {t}: ranks must be distinct ranks in [0, {nranks}), got {self.ranks}")
         n = {"column": dim, "row": rows, "table_row": rows}.get(self.kind)
         if self.kind == "table" and len(self.ranks) != 1 or self.kind == "replicate" and len(self.ranks) != nranks:
-            raise ValueError(f"table {t}: a {self.kind} sharding needs {'1 rank' if self.kind == 'table' else 'every rank'}")
+            need = "1 rank" if self.kind == "table" else "every rank"
+            raise ValueError(f"table {t}: a {self.kind} sharding needs {need}")
         if n is not None and (len(self.bounds) != len(self.ranks) + 1 or self.bounds[0] != 0 or self.bounds[-1] != n
                               or any(a >= b for a, b in zip(self.bounds, self.bounds[1:]))):
             raise ValueError(f"table {t}: {self.kind} bounds must rise from 0 to {n} in {len(self.ranks)} "
@@ -331,7 +332,8 @@ def plan_sharding(sizes, dim, pooling=1, batch=2048, ranks=1, memory_per_rank=No
     # a table that cannot be whole on one rank is split by rows, which scales to any number of ranks
     options = [["table"] if P == 1 else [w] if w != AUTO else list(KINDS) if l.piece_bytes(l.rows, D) <= limit
                else ["row", "table_row"] for w, l in zip(wanted, loads)]
-    order = sorted(range(len(sizes)), key=lambda t: (-pb.rates.table_seconds(sizes[t], D, batch * pooling[t], batch), t))
+    work = [pb.rates.table_seconds(sizes[t], D, batch * pooling[t], batch) for t in range(len(sizes))]
+    order = sorted(range(len(sizes)), key=lambda t: (-work[t], t))
     plans = [p for p in (_improve(s, order, options, pb) for s in _starts(options, order, pb)) if p is not None]
     if not plans:
         raise ValueError(f"the tables do not fit: no plan over {P} ranks keeps every rank within "

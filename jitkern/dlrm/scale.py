@@ -122,9 +122,10 @@ class MeasuredRates(Rates):
     cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def table_seconds(self, rows, width, nnz, bags):
-        if rows * width * 4 > MEASURE_BYTES or np.ndim(nnz) > 0:
-            if np.ndim(nnz) > 0:
-                return np.array([self.table_seconds(rows, width, n, bags) for n in np.ravel(nnz)]).reshape(np.shape(nnz))
+        if np.ndim(nnz) > 0:
+            per = [self.table_seconds(rows, width, n, bags) for n in np.ravel(nnz)]
+            return np.array(per).reshape(np.shape(nnz))
+        if rows * width * 4 > MEASURE_BYTES:
             return super().table_seconds(rows, width, nnz, bags)
         key = (_round(rows), int(width), _round(max(float(nnz), 1.0)), _round(max(int(bags), 1)))
         if key not in self.cache:
@@ -326,7 +327,8 @@ def main(argv=None) -> int:
     rates = measured_rates()
     print(f"scaling model: {args.config}, {args.bandwidth} GB/s, {args.latency} us per message, "
           f"{args.threads} thread(s) per rank, rates measured on this CPU (NumPy block op {rates.np_us:.2f} us, "
-          f"embedding op {rates.call_us:.1f} us, copies {rates.copy_gbs:.1f} GB/s, bucketing {rates.bucket_us:.0f} us + "
+          f"embedding op {rates.call_us:.1f} us, copies {rates.copy_gbs:.1f} GB/s, "
+          f"bucketing {rates.bucket_us:.0f} us + "
           f"{rates.bucket_ns:.1f} ns per lookup)")
     modes = ("strong", "weak") if args.mode == "both" else (args.mode,)
     rows = {args.batch} | {max(hi - lo for lo, hi in batch_slices(args.batch, args.ranks))} if "strong" in modes \

@@ -60,7 +60,7 @@ def embedding_step(m, b, dly, lr, comm):
     lo = getattr(ctx, "layout", None)
     lo, hi = (lo.lo, lo.hi) if lo is not None else (0, len(b.labels))
     m.embedding_forward_start(ctx)
-    ly = np.stack([np.asarray(x) for x in m.embedding_forward(ctx)], axis=1) if hi > lo else np.zeros((0, len(SIZES), DIM))
+    ly = np.stack(m.embedding_forward(ctx), axis=1) if hi > lo else np.zeros((0, len(SIZES), DIM))
     mine = np.ascontiguousarray(dly[lo:hi])
     if comm is not None:
         m.embedding_backward_start(ctx, mine)
