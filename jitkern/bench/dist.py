@@ -28,19 +28,21 @@ SHARDINGS = ("auto", "table", "column", "row", "table_row", "replicate")
 
 
 def _timed_steps(model, batches, n, comm=None):
-    """-> (seconds per step, losses, this process's CPU seconds over wall seconds)."""
-    times, losses = [], []
+    """-> (seconds per step, this thread's CPU seconds per step, losses, this process's CPU
+    seconds over wall seconds)."""
+    times, cpu, losses = [], [], []
     c0, w0 = time.process_time(), time.perf_counter()
     for i in range(n):
         if comm is not None:
             comm.Barrier()
-        t0 = time.perf_counter()
+        t0, u0 = time.perf_counter(), time.thread_time()
         b = batches[i % len(batches)]
         losses.append(model.train_step(b.dense, b.offsets, b.indices, b.labels, 0.01, check=False))
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - u0)
     # a rank that has its core is busy all the time (MPI waits poll): a share below 1 means
     # another process took the CPU during the measurement
-    return times, losses, (time.process_time() - c0) / (time.perf_counter() - w0)
+    return times, cpu, losses, (time.process_time() - c0) / (time.perf_counter() - w0)
 
 
 def worker(args) -> int:
@@ -61,16 +63,18 @@ def worker(args) -> int:
     m.timer = timer = StageTimer()
     if comm is not None:
         m.exchange.reset_stats()
-    times, more, share = _timed_steps(m, batches, args.steps, comm)
+    times, cpu, more, share = _timed_steps(m, batches, args.steps, comm)
     losses += more
     if comm is not None:
         times = list(np.max(comm.allgather(times), axis=0))     # a step ends when its last rank does
+        cpu = list(np.max(comm.allgather(cpu), axis=0))
         share = min(comm.allgather(share))
     link = (m.exchange.bandwidth, m.exchange.latency * 1e6) if comm is not None else (0.0, 0.0)
     if rank == 0:
         print(json.dumps({"ranks": 1 if comm is None else comm.Get_size(), "batch": args.batch,
                           "kinds": sorted(set(m.plan.kinds())) if comm is not None else [],
                           "steps": args.steps, "warmup": args.warmup, "step": float(np.median(times)),
+                          "cpu_step": float(np.median(cpu)),
                           "losses": losses, "cpu_share": share,
                           "profile": {k: v / args.steps for k, v in timer.seconds.items()},
                           "link_gbs": link[0], "latency_us": link[1],
@@ -84,6 +88,7 @@ def _combine(results: list) -> dict:
     order = sorted(results, key=lambda r: r["step"])
     mid = dict(order[len(order) // 2])
     mid["step"] = float(np.median([r["step"] for r in results]))
+    mid["cpu_step"] = float(np.median([r["cpu_step"] for r in results]))
     mid["cpu_share"] = min(r["cpu_share"] for r in results)
     mid["rounds"] = [r["step"] for r in results]
     return mid
@@ -174,6 +179,7 @@ def _scaling_rows(name, ranks, runs, link, args, rates) -> list:
                              f"{run['batch'] / step:,.0f}", f"{base_step / step:.2f}{'' if mode == 'weak' else 'x'}",
                              f"{prof.get('communication', 0) * 1e3:.1f}", f"{prof.get('comm_hidden', 0) * 1e3:.1f}",
                              f"{pred.step * 1e3:.1f}", f"{(pred.step / step - 1) * 100:+.0f}%",
+                             f"{run['cpu_step'] * 1e3:.1f}", f"{(pred.step / run['cpu_step'] - 1) * 100:+.0f}%",
                              f"{run['cpu_share']:.2f}", str(loss_ok) + over])
     return rows
 
@@ -191,12 +197,15 @@ def _comm_rows(name, runs) -> list:
 
 def _print_report(rows, comm_rows, spread) -> None:
     print_table(["config", "sharding", "mode", "P", "global B", "ms/step", "samples/s", "eff|speedup",
-                 "comm exposed ms", "comm hidden ms", "model ms", "model err", "cpu share", "loss = P1"], rows)
+                 "comm exposed ms", "comm hidden ms", "model ms", "model err", "cpu ms/step", "vs cpu", "cpu share",
+                 "loss = P1"], rows)
     print("eff = step(P=1) / step(P) at a fixed per-rank batch; speedup = step(P=1) / step(P) at a fixed global "
           "batch; medians over rounds, each of which launches the one-process run and every P-rank job once, "
           "in turn, so all see the same machine; comm columns are per step on "
           "rank 0; cpu share: the lowest CPU-time / wall-time of a rank while timed (a hint, not proof: "
-          "well below 1 usually means other processes took CPU from a rank; rerun on an idle machine).")
+          "well below 1 usually means other processes took CPU from a rank; rerun on an idle machine); cpu ms/step: "
+          "the slowest rank's CPU time per step (its MPI waits poll, so on an idle machine it is the step), and "
+          "the model against it (the model's rates are CPU time too).")
     print("ms/step of each round (launch):", *spread, sep="\n")
     if comm_rows:
         print("\nexchanges per step on rank 0 (link ms: bytes and latency on the measured link; exposed: time in "
