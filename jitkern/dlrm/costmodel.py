@@ -64,7 +64,9 @@ class Rates:
     lookup_ns: ((width, ns cached, ns from DRAM), ...) per lookup (forward + update); tables up to
     cache_bytes count as cached. call_us: an embedding op call's fixed cost; np_us: a NumPy call's
     on a block (with the view lookup around it); copy_gbs: block copies and sums; bucket_ns,
-    bucket_us: per lookup and per table, sorting a slice's lookups by row shard.
+    bucket_us: per lookup and per table, sorting a slice's lookups by row shard; fixed_us: per
+    table and step, what a sharding's code costs beyond the terms above (the Python around the
+    calls), by kind, for a rank holding a piece and for one only receiving (scale.py measures it).
     """
     lookup_ns: tuple = DEFAULT_LOOKUP_NS
     cache_bytes: int = 8 << 20
@@ -73,6 +75,7 @@ class Rates:
     copy_gbs: float = 10.0
     bucket_ns: float = 12.0
     bucket_us: float = 30.0
+    fixed_us: tuple = ()         # ((kind, us on a rank holding a piece, us on a rank only receiving), ...)
 
     def lookup_seconds(self, width: int, table_bytes: int) -> float:
         """Seconds per lookup at this row width in a table of this size (interpolated by width)."""
@@ -94,6 +97,13 @@ class Rates:
 
     def bucket(self, nnz):
         return nnz * self.bucket_ns * 1e-9 + self.bucket_us * 1e-6
+
+    def fixed(self, kind: str) -> tuple:
+        """(seconds per step on a rank holding a piece, on a rank only receiving) of one table."""
+        for k, hold, recv in self.fixed_us:
+            if k == kind:
+                return hold * 1e-6, recv * 1e-6
+        return 0.0, 0.0
 
 
 _ARRAYS = ("comp", "pre", "send", "recv", "ids", "node", "mem")
@@ -149,8 +159,11 @@ def add_table(load: Load, table: TableLoad, sharding, batch: int, rates: Rates) 
     b = np.array([hi - lo for lo, hi in slices], float)
     D, R, k = table.dim, table.rows, table.pooling
     nnz = batch * k
+    hold, recv = rates.fixed(kind)
     if kind == "replicate":
-        return _add_replicated(load, table, b, batch, rates)
+        load.comp += hold
+        return _add_replicated(load, table, b, batch, rates) + hold
+    load.comp += recv
     holder_s = []
     for j, s in enumerate(sharding.ranks):
         r0, r1, c0, c1 = sharding.region(j, R, D)
@@ -165,9 +178,10 @@ def add_table(load: Load, table: TableLoad, sharding, batch: int, rates: Rates) 
         if kind == "table_row":     # the forwarder's sum of the node's partial pools
             work += rates.copy(batch * D * 4, 2 * len(sharding.ranks))
             load.node[s] += (len(sharding.ranks) - 1) / len(sharding.ranks) * batch * D * 4
+        work += hold - recv
         load.comp[s] += work
         load.mem[s] += table.piece_bytes(rows, width)
-        holder_s.append(work)
+        holder_s.append(work + recv)
     _add_pieces(load, sharding, b, D)
     _add_receivers(load, sharding, b, k, D, rates)
     return max(holder_s)

@@ -43,15 +43,28 @@ MEASURE_BYTES = 1 << 30      # table pieces up to this size are timed; larger on
 CLOCK = time.thread_time
 
 
-def _min_time(fn, reps):
-    """The fastest of `reps` timed calls after one untimed, in CPU seconds of this thread."""
+def _min_time(fn, reps, before=None):
+    """The fastest of `reps` timed calls after one untimed, in CPU seconds of this thread;
+    before: called untimed ahead of each."""
     fn()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         t0 = CLOCK()
         fn()
         times.append(CLOCK() - t0)
     return float(min(times))
+
+
+def _cache_evictor():
+    """-> a function that streams through twice the last-level cache, as a training step's other
+    stages do between two steps' lookups (a table is not left in the caches by the step before)."""
+    buf = np.ones(16 << 20, np.float32)          # 64 MB
+
+    def evict():
+        buf.__iadd__(1.0)
+    return evict
 
 
 def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> dict:
@@ -104,7 +117,7 @@ def time_piece(rows: int, width: int, nnz: int, bags: int, reps: int = 3) -> flo
         idx = next(batches)
         ops.embedding_bag_forward(w, idx, off, out=pooled)
         ops.embedding_bag_sgd_(w, idx, off, dout, 1e-3)
-    return _min_time(step, reps)
+    return _min_time(step, reps, _cache_evictor())
 
 
 def _round(x: float, digits: int = 2) -> int:
@@ -159,8 +172,77 @@ def calibrate() -> dict:
                 bucket_ns=max(big_s - bucket_us * 1e-6, 0.0) / n * 1e9)
 
 
+def _one_table_step(kind: str, hold: bool):
+    """-> (step function, plan): rank 0's per-step work for one small table of `kind` on 3 ranks,
+    holding a piece (or, hold=False, only receiving), the other ranks' pieces stood in by zeros."""
+    from types import SimpleNamespace
+
+    from .layout import ROW_KINDS, Layout
+    from .planner import ShardingPlan, TableSharding
+    from .sharding import make_shard
+
+    R, D, B, P = 512, 16, 12, 3
+    ranks = (0, 1) if hold else (1, 2)
+    spec = {"table": TableSharding.table(ranks[0]), "column": TableSharding.column(ranks, D),
+            "row": TableSharding.row(ranks, R), "table_row": TableSharding.row(ranks, R, "table_row"),
+            "replicate": TableSharding.replicate(P)}[kind]
+    plan = ShardingPlan((R,), D, P, (spec,))
+    lay = Layout(plan, 0, B)
+    for buf in (lay.fwd_recv, lay.bwd_recv, lay.node_recv, lay.node_bwd_recv):
+        buf.fill(0.0)
+    shard = make_shard(0, spec, R, D, 0)
+    shard.init(np.random.RandomState(0))
+    rs = np.random.default_rng(0)
+    st = SimpleNamespace(layout=lay, offsets=np.arange(B, dtype=np.int64)[None] * 2, lr=0.01,
+                         indices=[rs.integers(0, R, 2 * B, dtype=np.int64)], ids_out={}, ids_in={}, row_bags={},
+                         replica={})
+    dly = np.zeros((lay.b, D), np.float32)
+
+    def step():
+        if kind in ROW_KINDS:
+            shard.bucket(st)
+            for q in range(P):                 # every sample owner sends what mine does
+                if (q, 0) in lay.ids_len_in:
+                    lay.ids_len_in[q, 0][...] = lay.ids_len_out[0, 0]
+                    st.ids_in[q, 0] = st.ids_out[0, 0]
+        if shard.held:
+            shard.lookup(st)
+        if kind == "table_row" and lay.node_owned:
+            shard.forward_sums(st)
+        shard.assemble(st)
+        shard.grad(st, dly)
+        if kind == "table_row" and lay.node_owned:
+            shard.forward_grads(st)
+        if shard.held:
+            shard.update(st)
+    return step, plan
+
+
+def calibrate_fixed(rates: Rates) -> tuple:
+    """fixed_us for Rates: per kind, what one table's step costs a rank beyond the cost model's
+    other terms (the code around the calls), holding a piece and only receiving: measured on a
+    small table, minus the model's estimate of the same work."""
+    from .costmodel import Load, TableLoad, add_table
+
+    out = []
+    for kind in ("table", "column", "row", "table_row", "replicate"):
+        extra = []
+        for hold in (True, False):
+            if kind == "replicate" and not hold:
+                extra.append(0.0)
+                continue
+            step, plan = _one_table_step(kind, hold)
+            measured = _min_time(step, 20)
+            load = Load(plan.nranks)
+            add_table(load, TableLoad(plan.sizes[0], plan.dim, 2.0), plan.tables[0], 12, rates)
+            extra.append(max(measured - float(load.comp[0]), 0.0) * 1e6)
+        out.append((kind, *extra))
+    return tuple(out)
+
+
 def measured_rates() -> MeasuredRates:
-    return MeasuredRates(**calibrate())
+    rates = MeasuredRates(**calibrate())
+    return dataclasses.replace(rates, fixed_us=calibrate_fixed(rates))
 
 
 # --------------------------------------------------------------------------- the model
