@@ -128,7 +128,8 @@ class DistributedDLRM(DLRM, comm_variant=True):
         column pieces (created by its members only, in table order), else None."""
         if spec.kind != "column" or not opt.needs_group or self.rank not in spec.ranks:
             return None
-        return ColumnGroup(self.comm.Create_group(self.comm.group.Incl(list(spec.ranks)), t), self.embedding_dim)
+        return ColumnGroup(self.comm.Create_group(self.comm.group.Incl(list(spec.ranks)), t), self.embedding_dim,
+                           self.exchange.progress)
 
     def _mlp_bytes(self) -> int:
         return sum(4 * (n * m + m) for sizes in (self.bottom_mlp, self.top_mlp) for n, m in zip(sizes[:-1], sizes[1:]))

@@ -21,6 +21,8 @@ Against one process (same seed, same global batch), the weights are
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .. import ops
@@ -89,15 +91,21 @@ TABLE_OPTIMIZERS = {"sgd": SGD, "rowwise_adagrad": RowwiseAdagrad}
 
 
 class ColumnGroup:
-    """The ranks holding one table's column pieces, for row updates that need the whole row."""
+    """The ranks holding one table's column pieces, for row updates that need the whole row.
+    progress: called while waiting, so that the model's other exchanges in flight move on (a
+    member blocked here must not hold up the exchanges its peers still wait for)."""
 
-    def __init__(self, comm, dim: int):
-        self.comm, self.dim = comm, int(dim)
+    def __init__(self, comm, dim: int, progress=None):
+        self.comm, self.dim, self.progress = comm, int(dim), progress
 
     def sum(self, partial: np.ndarray) -> np.ndarray:
         """Every member's `partial` (U,) float64, summed in piece order (the same on every member)."""
         parts = np.empty((self.comm.Get_size(), len(partial)), np.float64)
-        self.comm.Allgather(np.ascontiguousarray(partial), parts)
+        req = self.comm.Iallgather(np.ascontiguousarray(partial), parts)
+        while not req.Test():
+            if self.progress is not None:
+                self.progress()
+            os.sched_yield()
         total = parts[0].copy()
         for p in parts[1:]:
             total += p
