@@ -102,7 +102,7 @@ def test_ranks_match_one_process(ranks, interaction, self_interaction, precision
     assert out["ranks"] == ranks
     owners = out["placement"]
     assert all(o in owners for o in range(ranks))
-    assert (REPLICATED in owners) == (precision == "fp32")      # split bf16 tables are never replicated
+    assert REPLICATED in owners                                 # bf16 split tables are replicated too
     np.testing.assert_allclose(out["losses_dist"], out["losses_single"], rtol=1e-6)
     assert out["weight_err"] < 1e-6
     assert out["probs_err"] < 1e-6
@@ -218,3 +218,95 @@ def test_peer_watcher_orders_ends_by_life_line_not_by_process_exit():
     assert r.returncode == 0, r.stderr
     assert f"jitkern: rank 1 of 2 (pid {first.pid} on hostA) died without an error" in r.stderr, r.stderr
     assert "ended together" not in r.stderr
+
+
+# --------------------------------------------------------------------------- sharding under mpiexec
+
+
+def _sharding(n, *modes, ranks_per_node=0, timeout=400):
+    env = dict(os.environ, JITKERN_RANKS_PER_NODE=str(ranks_per_node))
+    cmd = [MPIEXEC, "-n", str(n)] if n > 1 else []
+    cmd += [sys.executable, str(SCRIPTS / "sharding.py"), *map(str, modes)]
+    env.update(NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _check_contract(out):
+    """sharding.py's contract: table and column bit-identical; row kinds: updates bit-identical,
+    pooled sums within 1e-6 relative (bit-identical with one lookup per bag); replicate: within 1e-6."""
+    kinds = {k.split()[1] for k in out if k.endswith("table_err")}
+    assert kinds == {"table", "column", "row", "table_row", "replicate"}
+    for key, value in out.items():
+        if not key.endswith("err"):
+            continue
+        precision, kind = key.split()[:2]
+        if kind in ("table", "column") or (kind in ("row", "table_row") and ("table_err" in key or "pooling 1" in key)):
+            assert value == 0.0, (key, value)
+        else:
+            assert value < 1e-6, (key, value)
+        if "kinds" in key:
+            assert out[key] == [kind]
+
+
+def _check_training(out, cases):
+    for case in cases:
+        res = out[case]
+        kind = case.split()[1]
+        assert set(res["kinds"]) == (set(MIXED_KINDS) if kind == "mixed" else {kind}), res["kinds"]
+        assert res["loss_rel"] < 1e-6 and res["weight_err"] < 1e-6, (case, res)
+        assert res["probs_err"] < 1e-6 and res["load_probs_err"] < 1e-6, (case, res)
+        assert res["replicas_identical"], case
+
+
+MIXED_KINDS = ("table", "column", "row", "table_row", "replicate")
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks, modes", [(2, ("contract", "train")), (3, ("contract-fp32", "train-mixed", "adagrad"))])
+def test_every_sharding_matches_one_process(ranks, modes):
+    # every kind (and a mixed plan) against one process; B = 67 gives uneven slices, a last
+    # step of B = 2 leaves ranks without rows; 3 ranks split D = 16 into uneven column blocks
+    out = _sharding(ranks, *modes)
+    assert out["ranks"] == ranks
+    _check_contract({k: v for k, v in out.items() if k.startswith(("fp32 ", "bf16 ")) and "pooling" in k or
+                     k.endswith(("table_err", "kinds"))})
+    cases = [k for k in out if k in ("fp32 mixed", "bf16 mixed") or
+             (k.startswith("fp32 ") and isinstance(out[k], dict))]
+    _check_training(out, cases)
+    if "adagrad" in out:      # row-wise Adagrad on column pieces: the same as on the whole table
+        assert out["adagrad"]["weight_err"] == 0.0 and out["adagrad"]["state_exact"], out["adagrad"]
+        assert out["adagrad"]["model_err"] < 1e-6, out["adagrad"]
+
+
+@needs_mpi
+def test_table_row_sharding_over_emulated_nodes_and_checkpoints_across_rank_counts(tmp_path):
+    # 4 ranks as 2 nodes of 2: table-row-wise tables sum their partial pools inside a node first;
+    # the mixed plan's checkpoint (row, column, table_row pieces) loads exactly at 2 ranks
+    # (every table row-wise: other pieces) and in one process, and trains on
+    ck = tmp_path / "ck"
+    out = _sharding(4, "contract-fp32", "train-mixed", f"save={ck}", ranks_per_node=2)
+    _check_contract({k: v for k, v in out.items() if "pooling" in k or k.endswith(("table_err", "kinds"))})
+    _check_training(out, ["fp32 mixed", "bf16 mixed"])
+    trw = [r for k, r in zip(out["fp32 mixed"]["kinds"], out["fp32 mixed"]["ranks"]) if k == "table_row"]
+    assert trw and all(r in ([0, 1], [2, 3]) for r in trw)        # one node's ranks
+    assert set(out["saved_kinds"]) == set(MIXED_KINDS)
+    for n in (2, 1):
+        res = _sharding(n, f"load={ck}")
+        assert res["step"] == 2 and res["load_err"] == 0.0 and np.isfinite(res["loss_after"]), res
+
+
+@needs_mpi
+def test_trainer_splits_a_table_larger_than_rank_memory():
+    # table 1 (20000 x 16 fp32, 1.28 MB) cannot be whole within 1 MB per rank: it is split
+    # row-wise; the plan is printed at start and training runs
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "jitkern", "train", "--arch-embedding-size", "100-20000-300",
+           "--rank-memory-gb", "0.001", "--num-batches", "6", "--mini-batch-size", "64", "--test-freq", "-1",
+           "--print-freq", "3", "--threads", "1", "--progress", "off"]
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "sharding plan over 2 ranks" in r.stdout
+    assert re.search(r"^\s+1\s+20,000\s+1\.3 MB\s+row\s+0,1\s", r.stdout, re.M), r.stdout
+    assert "done: 6 iterations" in r.stdout

@@ -6,14 +6,17 @@
         loss = m.train_step(b.dense, b.offsets, b.indices, b.labels, lr=0.1)
 
 DLRM(..., comm=comm) builds the hybrid-parallel DistributedDLRM (importing this package loads
-it; mpi4py is imported only when a communicator is used).
+it; mpi4py is imported only when a communicator is used); its tables are sharded by a plan of
+plan_sharding (the cost-model planner; DLRM(..., comm=comm, sharding=...) takes a kind or a plan).
 """
 from .batch import Batch
 from .configs import CONFIGS, ModelConfig
 from .data import iterate_batches, load_preprocessed, table_sizes
 from .dist import DistributedDLRM
 from .model import DLRM
+from .planner import ShardingPlan, TableSharding, plan_sharding
 from .synth import RandomData, SyntheticData
 
 __all__ = ["DLRM", "DistributedDLRM", "Batch", "SyntheticData", "RandomData", "load_preprocessed",
-           "iterate_batches", "table_sizes", "CONFIGS", "ModelConfig"]
+           "iterate_batches", "table_sizes", "CONFIGS", "ModelConfig", "plan_sharding", "ShardingPlan",
+           "TableSharding"]

@@ -1,6 +1,6 @@
 """The DLRM trainer's command line: dlrm_s_pytorch.py's flags, plus --threads, --embedding-precision,
---autotune, --profile and --plot. Entry points: `python examples/dlrm_numba.py` and
-`python -m jitkern train`.
+--autotune, --profile and --plot (and --sharding, --rank-memory-gb under mpiexec). Entry points:
+`python examples/dlrm_numba.py` and `python -m jitkern train`.
 
 With no flags it trains a small model on learnable synthetic data for a few seconds.
 """
@@ -88,9 +88,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before training, tune the kernels for this model's shapes where the tuning DB "
                         "has no entry yet (stored: later runs time nothing)")
     e.add_argument("--profile", action="store_true", default=False, help="print a per-op time table at the end")
+    _add_rank_flags(p)
     e.add_argument("--plot", default="", metavar="FILE.png", help="loss and AUC curves (needs matplotlib)")
     e.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="tqdm progress bar")
     return p
+
+
+def _gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of GB >= 0, got {text!r}")
+    return value
+
+
+def _add_rank_flags(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("many ranks (mpiexec)")
+    m.add_argument("--sharding", choices=("auto", "table", "row", "column", "table_row", "replicate"), default="auto",
+                   help="how tables are split over the ranks: auto (the cost-model planner), or one kind for every "
+                        "table (the plan is printed at start)")
+    m.add_argument("--rank-memory-gb", type=_gigabytes, default=0.0,
+                   help="memory per rank the plan must fit, GB (0: this machine's RAM over its ranks); a table "
+                        "larger than it is split row-wise")
 
 
 # --------------------------------------------------------------------------- data
@@ -270,9 +291,12 @@ def _train_options(args) -> TrainOptions:
 
 def _build_model(args, sizes, bot, top, comm, log, num_batches):
     """The model (hybrid parallel under mpiexec), resumed from --load-model if given; -> (model, state)."""
+    sharded = {} if comm is None else dict(
+        sharding=args.sharding, rank_memory=args.rank_memory_gb * 1e9 or None, plan_batch=args.mini_batch_size,
+        plan_pooling=args.num_indices_per_lookup)
     model = DLRM(sizes, args.arch_sparse_feature_size, bot, top, interaction=args.arch_interaction_op,
                  self_interaction=args.arch_interaction_itself, embedding_precision=args.embedding_precision,
-                 seed=args.numpy_rand_seed, comm=comm)
+                 seed=args.numpy_rand_seed, comm=comm, **sharded)
     if comm is not None:
         log(model.describe())
     log(f"{model}: {model.parameter_bytes() / 2**20:.1f} MiB of parameters, {args.data_generation} data, "

@@ -10,6 +10,10 @@ from ..codegen.knobs import Workload
 KAGGLE_TABLES = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
                  14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
 
+# Criteo Terabyte's 26 cardinalities with ids taken modulo 40M (MLPerf DLRM, --max-ind-range 40000000)
+CRITEO_TB_TABLES = (39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208,
+                    11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -35,6 +39,8 @@ CONFIGS = {
     "kaggle": ModelConfig(KAGGLE_TABLES, 16, (13, 512, 256, 64, 16), (512, 256, 1)),
     "kaggle-multihot": ModelConfig(KAGGLE_TABLES, 16, (13, 512, 256, 64, 16), (512, 256, 1), lookups=20),
     "mlperf": ModelConfig((200_000,) * 26, 128, (13, 512, 256, 128), (1024, 1024, 512, 256, 1)),
+    # the MLPerf model at full size: 5 tables of 25-40M rows, 96 GB of fp32 tables (plan it, do not allocate it)
+    "mlperf-full": ModelConfig(CRITEO_TB_TABLES, 128, (13, 512, 256, 128), (1024, 1024, 512, 256, 1)),
     "paper-small": ModelConfig((1_000_000,) * 8, 64, (512, 512, 64), (1024, 1024, 1024, 1), lookups=100),
     # a quick check that everything runs
     "tiny": ModelConfig((1000,) * 8, 16, (13, 64, 16), (64, 1), lookups=2),

@@ -1,226 +1,317 @@
-"""mpi4py hybrid parallelism for the DLRM: the distributed model (tables model-parallel by
-placement.py, MLPs data-parallel), over the exchange layer of exchange.py; launch.py starts and
-ends the ranks (communicator, fault handling). mpi4py is imported only when a communicator is
-actually used, so single-process runs never initialise MPI.
+"""mpi4py hybrid parallelism for the DLRM: the distributed model (tables sharded by a plan of
+planner.py, each kind run by sharding.py; MLPs data-parallel), over the exchange layer of
+exchange.py and the buffers of layout.py; launch.py starts and ends the ranks (communicator,
+nodes, fault handling). mpi4py is imported only when a communicator is actually used, so
+single-process runs never initialise MPI.
 
-The step schedule is the base model's; this model overrides the stages that communicate:
-pooled embeddings travel by an alltoall posted before the bottom MLP forward and waited for
-after it, their gradients by the reverse alltoall posted before the bottom MLP backward; MLP
-gradients are allreduced in buckets as each layer's are ready (layer_done).
+The step schedule is the base model's; this model overrides the stages that communicate. Before
+the bottom MLP forward: row shards' lookups go to their shards, every piece pools, and the pooled
+pieces (after the in-node sums of table-row-wise tables) are posted in one alltoallv, waited for
+after the bottom MLP. Their gradients go back by the reverse alltoallv (then the in-node hand-out)
+posted before the bottom MLP backward; MLP and replicated-table gradients are allreduced in
+buckets as each layer's are ready (layer_done).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import ops
 from ..codegen.knobs import Workload
+from ..config import get_config
+from .costmodel import Network, dense_estimate
 from .exchange import CommStat, Exchange
-from .launch import comm_from_env, describe_ranks, install_fault_handlers
+from .launch import comm_from_env, describe_ranks, install_fault_handlers, node_groups
+from .layout import ROW_KINDS, Layout
 from .model import DLRM, StageTimer, StepContext
-from .placement import REPLICATE_BYTES, REPLICATED, batch_slices, place_tables
+from .placement import batch_slices
+from .planner import AUTO, ShardingPlan, plan_sharding
+from .sharding import SGD, ColumnGroup, TableOptimizer, make_shard
 
 __all__ = ["DistributedDLRM", "comm_from_env"]  # comm_from_env: launch.py's, kept importable from here
 
-
-# --------------------------------------------------------------------------- the model
-
 BUCKET_BYTES = 1 << 20      # MLP gradients are allreduced in buckets of about this size
-_SKIP_CHUNK = 1 << 16       # rows drawn at a time when skipping another rank's table's init
-
-
-class _Plan:
-    """Per global batch size: slices, counts and the exchange buffers (reused every step).
-
-    Alltoall blocks are (tables, rows, D) so that every embedding call writes, and the
-    interaction reads, contiguous (rows, D) arrays: the forward needs no copy at all.
-    """
-
-    def __init__(self, m: "DistributedDLRM", batch: int):
-        P, r, D = m.nranks, m.rank, m.embedding_dim
-        self.batch = batch
-        self.slices = batch_slices(batch, P)
-        self.lo, self.hi = self.slices[r]
-        self.b = self.hi - self.lo
-        rows = [hi - lo for lo, hi in self.slices]
-        n_own = len(m.owned)
-        tabs_of = [m.placement.tables_of(s) for s in range(P)]
-        # forward: (my tables, rows of slice q) go to rank q; from rank s come (its tables, my rows)
-        self.own_counts = [n_own * rows[q] * D for q in range(P)]
-        self.slice_counts = [len(tabs_of[s]) * self.b * D for s in range(P)]
-        self.fwd_send = np.empty(sum(self.own_counts), np.float32)
-        self.fwd_recv = np.empty(sum(self.slice_counts), np.float32)
-        self.bwd_send = np.empty_like(self.fwd_recv)      # the reverse: my slice's dly to each owner
-        self.bwd_recv = np.empty_like(self.fwd_send)      # my tables' gradients, all B rows
-        self.fwd_send_blocks = self._blocks(self.fwd_send, [(n_own, n) for n in rows], D)
-        self.bwd_recv_blocks = self._blocks(self.bwd_recv, [(n_own, n) for n in rows], D)
-        fwd_recv_blocks = self._blocks(self.fwd_recv, [(len(t), self.b) for t in tabs_of], D)
-        self.bwd_send_blocks = self._blocks(self.bwd_send, [(len(t), self.b) for t in tabs_of], D)
-        self.tables_of = tabs_of
-        self.replica_ly = np.empty((len(m.replicated), self.b, D), np.float32)
-        # ly[t]: my slice's pooled rows of table t, (b, D) contiguous, wherever they arrive
-        self.ly = [None] * m.num_tables
-        for s in range(P):
-            for k, t in enumerate(tabs_of[s]):
-                self.ly[t] = fwd_recv_blocks[s][k]
-        for k, t in enumerate(m.replicated):
-            self.ly[t] = self.replica_ly[k]
-        self.dout = np.empty((batch, D), np.float32)      # one table's gradient rows, gathered
-        self.loss_parts = np.zeros(P, np.float64)
-        self.probs = np.empty(batch, np.float32)
-
-    @staticmethod
-    def _blocks(flat, shapes, D):
-        out, o = [], 0
-        for n_tables, n_rows in shapes:
-            n = n_tables * n_rows * D
-            out.append(flat[o:o + n].reshape(n_tables, n_rows, D))
-            o += n
-        return out
-
-
-def _slice_bags(offsets, indices, lo, hi):
-    """The bags of samples lo..hi-1 of one table: (offsets (hi-lo,) from 0, indices view)."""
-    start = int(offsets[lo]) if lo < len(offsets) else len(indices)
-    end = int(offsets[hi]) if hi < len(offsets) else len(indices)
-    return offsets[lo:hi] - start, indices[start:end]
+PLAN_BATCH = 2048           # the global batch plans are made for unless told
 
 
 @dataclass
 class _DistStep(StepContext):
-    """A step's context on one rank: its plan, and the exchanges and gradients in flight."""
-    plan: _Plan = None
+    """A step's context on one rank: its layout, and the exchanges and gradients in flight."""
+    layout: Layout = None
     comm_before: tuple = (0.0, 0.0)     # (hidden, exposed) communication seconds at the start
     grads: list = field(default_factory=list)      # gradients waiting for an allreduce bucket
-    alltoall: object = None             # the embedding exchange in flight
+    alltoall: object = None             # the pooled-pieces exchange in flight
     loss_op: object = None              # the allreduce of the loss parts
-    replica_grads: list = field(default_factory=list)
+    ids_out: dict = field(default_factory=dict)    # (shard rank, table) -> my slice's rows for it
+    ids_in: dict = field(default_factory=dict)     # (sample owner, table) -> rows its slice looks up
+    row_bags: dict = field(default_factory=dict)   # table -> (offsets, rows) of my row shard's lookups
+    replica: dict = field(default_factory=dict)    # table -> (rows, summed gradient) of a replicated table
+    loss_parts: np.ndarray = None
+
+
+def rank_memory_default(comm) -> float:
+    """Bytes per rank when none is given: this machine's RAM over the ranks on it (None if unknown)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    n = local.Get_size()
+    local.Free()
+    return 0.9 * ram / n
 
 
 class DistributedDLRM(DLRM, comm_variant=True):
-    """The DLRM over an MPI communicator: tables model-parallel, MLPs data-parallel.
+    """The DLRM over an MPI communicator: tables sharded by a plan, MLPs data-parallel.
 
-    Every rank calls every method with the same arguments (the same global batch); results
-    (loss, probabilities, state_dict) are the same on every rank. Built by DLRM(..., comm=comm).
+    sharding: "auto" (the planner), one kind for every table ("table", "column", "row",
+    "table_row", "replicate"), one ("auto" or a kind) per table, or a planner.ShardingPlan.
+    rank_memory: bytes per rank the plan must fit (default: this machine's RAM over its ranks);
+    network: a costmodel.Network for the planner; plan_batch, plan_pooling: the global batch and
+    lookups per sample the plan is made for. Every rank calls every method with the same arguments
+    (the same global batch); results (loss, probabilities, state_dict) are the same on every rank.
+    Built by DLRM(..., comm=comm, ...). Contract with one process: see sharding.py.
     """
 
-    def __init__(self, *args, comm=None, **kwargs):
+    def __init__(self, *args, comm=None, sharding=AUTO, rank_memory=None, network=None, plan_batch=PLAN_BATCH,
+                 plan_pooling=1, **kwargs):
         if comm is None:
             raise ValueError("DistributedDLRM needs comm= (an mpi4py communicator)")
         self.rank, self.nranks = comm.Get_rank(), comm.Get_size()
         install_fault_handlers(comm)
         self.exchange = Exchange(comm)
-        self._plans: dict[int, _Plan] = {}
-        self._replica_grads: dict[int, np.ndarray] = {}
+        self._layouts: dict[int, Layout] = {}
+        self._request = dict(sharding=sharding, rank_memory=rank_memory, network=network, batch=plan_batch,
+                             pooling=plan_pooling)
         super().__init__(*args, comm=comm, **kwargs)
 
     # ------------------------------------------------------------------ construction
 
+    def _make_plan(self) -> ShardingPlan:
+        """The plan, made on rank 0 and broadcast (a planning error is raised on every rank)."""
+        req = self._request
+        nodes = node_groups(self.comm, get_config().ranks_per_node)
+        if isinstance(req["sharding"], ShardingPlan):
+            plan = req["sharding"]
+            if (plan.sizes, plan.dim, plan.nranks) != (tuple(self.embedding_sizes), self.embedding_dim, self.nranks):
+                raise ValueError(f"the sharding plan is for {len(plan.sizes)} tables of D={plan.dim} over "
+                                 f"{plan.nranks} ranks, not this model's {self.num_tables} tables of "
+                                 f"D={self.embedding_dim} over {self.nranks} ranks")
+            return plan
+        memory = req["rank_memory"]
+        if memory is None:
+            memory = rank_memory_default(self.comm)
+        plan = err = None
+        if self.rank == 0:
+            try:
+                b = -(-req["batch"] // self.nranks)
+                plan = plan_sharding(self.embedding_sizes, self.embedding_dim, req["pooling"], req["batch"],
+                                     self.nranks, memory, req["network"] or Network(), kinds=req["sharding"],
+                                     nodes=nodes, mlp_bytes=self._mlp_bytes(), top_layers=len(self.top_mlp) - 1,
+                                     dense=dense_estimate(self.bottom_mlp, self.top_mlp, b))
+            except ValueError as e:
+                err = str(e)
+        plan, err = self.comm.bcast((plan, err), root=0)
+        if err is not None:
+            raise ValueError(err)
+        return plan
+
+    def _table_optimizer(self) -> TableOptimizer:
+        """The optimizer every table piece updates through (the model trains its tables by SGD)."""
+        return SGD()
+
+    def _column_group(self, t: int, spec, opt: TableOptimizer):
+        """For a column-sharded table whose optimizer needs whole rows: the communicator of its
+        column pieces (created by its members only, in table order), else None."""
+        if spec.kind != "column" or not opt.needs_group or self.rank not in spec.ranks:
+            return None
+        return ColumnGroup(self.comm.Create_group(self.comm.group.Incl(list(spec.ranks)), t), self.embedding_dim,
+                           self.exchange.progress)
+
+    def _mlp_bytes(self) -> int:
+        return sum(4 * (n * m + m) for sizes in (self.bottom_mlp, self.top_mlp) for n, m in zip(sizes[:-1], sizes[1:]))
+
     def _init_parameters(self, rs):
-        # The placement needs the validated sizes, which the base __init__ has set by now.
-        # bf16 split tables have no dense SGD op, so they are never replicated
-        replicate = REPLICATE_BYTES if self.embedding_precision == "fp32" else 0
-        self.placement = place_tables(self.embedding_sizes, self.embedding_dim, self.nranks,
-                                      replicate_bytes=replicate)
-        self.owned = self.placement.tables_of(self.rank)
-        self.replicated = self.placement.replicated
-        local = set(self.owned) | set(self.replicated)
-        # Every rank draws every table's init numbers in order (same stream as one process)
-        # and keeps only its own: the MLPs' init, drawn after the tables, then match too.
-        self.emb = [self._init_table(rs, rows) if t in local else self._skip_table(rs, rows)
-                    for t, rows in enumerate(self.embedding_sizes)]
+        # The plan needs the validated sizes, which the base __init__ has set by now. Every rank
+        # draws every table's init numbers in order (one process's stream) and keeps its pieces:
+        # the MLPs' init, drawn after the tables, then match too.
+        self.plan = self._make_plan()
+        opt = self._table_optimizer()
+        self.shards = [make_shard(t, spec, rows, self.embedding_dim, self.rank, precision=self.embedding_precision,
+                                  optimizer=opt, group=self._column_group(t, spec, opt))
+                       for t, (spec, rows) in enumerate(zip(self.plan.tables, self.embedding_sizes))]
+        for shard in self.shards:
+            shard.init(rs)
+        self._held = [s for s in self.shards if s.held and s.kind != "replicate"]
+        self._replicas = [s for s in self.shards if s.kind == "replicate"]
         self.bot_w, self.bot_b = self._init_mlp(rs, self.bottom_mlp)
         self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
 
-    def _skip_table(self, rs, rows):
-        for r0 in range(0, rows, _SKIP_CHUNK):
-            rs.random_sample((min(rows, r0 + _SKIP_CHUNK) - r0) * self.embedding_dim)
-        return None
+    @property
+    def emb(self) -> list:
+        """Per table, this rank's piece of it (None where it holds none)."""
+        return [s.weight for s in self.shards]
 
     def describe(self) -> str:
-        """The placement and the rank -> pid map (printed by the trainer's rank 0 at start)."""
-        return self.placement.describe() + ("\n" + describe_ranks() if self.nranks > 1 else "")
+        """The sharding plan and the rank -> pid map (printed by the trainer's rank 0 at start)."""
+        return self.plan.describe() + ("\n" + describe_ranks() if self.nranks > 1 else "")
+
+    def parameter_bytes(self) -> int:
+        dense = sum(a.nbytes for a in self.bot_w + self.bot_b + self.top_w + self.top_b)
+        return dense + sum(s.nbytes() for s in self.shards)
 
     def workload(self, batch: int, threads=(1,), *, pooling: int = 1) -> Workload:
-        """This rank's kernel shapes: the MLPs and the interaction on its slice of `batch`, its own
-        tables on all rows, the replicated ones on its slice."""
+        """This rank's kernel shapes: the MLPs and the interaction on its slice of `batch`, its
+        pieces on all rows (their share of the lookups), the replicated tables on its slice."""
         b = max(hi - lo for lo, hi in batch_slices(batch, self.nranks))
         mine = super().workload(b, threads, pooling=pooling)
-        tables = [(self.embedding_sizes[t], self.embedding_dim, pooling, rows, self.table_itemsize)
-                  for ts, rows in ((self.owned, batch), (self.replicated, b)) for t in ts]
+        tables = []
+        for s in self.shards:
+            if s.held:
+                r0, r1, c0, c1 = s.region
+                k = max(1, round(pooling * (r1 - r0) / s.rows))
+                tables.append((r1 - r0, c1 - c0, k, b if s.kind == "replicate" else batch, self.table_itemsize))
         return Workload(mine.linears, tuple(dict.fromkeys(tables)), mine.interactions, mine.threads)
 
     # ------------------------------------------------------------------ state (collective)
 
+    def table_regions(self) -> dict:
+        return {s.t: s.region for s in self.shards if s.held}
+
+    def saves_region(self, t: int) -> bool:
+        """Whether this rank writes its piece of table t to a checkpoint (rank 0 for replicas)."""
+        s = self.shards[t]
+        return s.held and (s.kind != "replicate" or self.rank == 0)
+
+    def read_region(self, t: int) -> np.ndarray:
+        return self.shards[t].read()
+
+    def write_region(self, t: int, block) -> None:
+        self.shards[t].write(block)
+
     def state_dict(self) -> dict:
-        """Collective: the full model on every rank (each table broadcast from its owner)."""
+        """Collective: the full model on every rank (each piece broadcast from its holder)."""
         sd = {}
-        for t, w in enumerate(self.emb):
-            owner = self.placement.owner[t]
-            if w is not None:
-                full = w if isinstance(w, np.ndarray) else w.to_float32()
+        for t, s in enumerate(self.shards):
+            if s.kind == "replicate":
+                sd[f"emb.{t}.weight"] = s.read()
+                continue
+            if s.kind == "table" and s.held and isinstance(s.weight, np.ndarray):
+                full = s.weight                     # the live table, as one process's state_dict gives
             else:
-                full = np.empty((self.embedding_sizes[t], self.embedding_dim), np.float32)
-            if owner != REPLICATED:
-                self.comm.Bcast(full, root=owner)
+                full = np.empty((s.rows, self.embedding_dim), np.float32)
+            for j, holder in enumerate(s.spec.ranks):
+                r0, r1, c0, c1 = s.spec.region(j, s.rows, self.embedding_dim)
+                if s.kind == "table":
+                    if full is not s.weight and holder == self.rank:
+                        full[...] = s.read()
+                    self.comm.Bcast(full, root=holder)
+                    continue
+                piece = s.read() if holder == self.rank else np.empty((r1 - r0, c1 - c0), np.float32)
+                self.comm.Bcast(np.ascontiguousarray(piece), root=holder)
+                full[r0:r1, c0:c1] = piece
             sd[f"emb.{t}.weight"] = full
         sd.update(self.mlp_state_dict())
         return sd
 
+    def load_local(self, sd: dict) -> None:
+        """Copy the given, already checked full arrays: each table's piece this rank holds, the MLPs."""
+        for name, a in sd.items():
+            kind, idx, what = name.split(".")
+            if kind == "emb":
+                s = self.shards[int(idx)]
+                if s.held:
+                    r0, r1, c0, c1 = s.region
+                    s.write(a[r0:r1, c0:c1])
+            else:
+                ws, bs = (self.bot_w, self.bot_b) if kind == "bot" else (self.top_w, self.top_b)
+                np.copyto((ws if what == "weight" else bs)[int(idx)], a)
+
     # ------------------------------------------------------------------ stages
 
-    def _plan(self, batch: int) -> _Plan:
-        plan = self._plans.get(batch)
-        if plan is None:
-            if len(self._plans) >= 2:
-                self._plans.pop(next(iter(self._plans)))
-            plan = self._plans[batch] = _Plan(self, batch)
-        return plan
+    def _layout(self, batch: int) -> Layout:
+        lay = self._layouts.get(batch)
+        if lay is None:
+            if len(self._layouts) >= 2:
+                self._layouts.pop(next(iter(self._layouts)))
+            lay = self._layouts[batch] = Layout(self.plan, self.rank, batch)
+        return lay
 
     def step_context(self, dense, offsets, indices, labels=None, lr=None) -> _DistStep:
-        """This rank's slice of the rows for the MLPs, the whole batch for its tables."""
+        """This rank's slice of the rows for the MLPs, the whole batch for its pieces."""
         before = self._comm_totals()
-        plan = self._plan(dense.shape[0])
-        rows = slice(plan.lo, plan.hi)
+        lay = self._layout(dense.shape[0])
+        rows = slice(lay.lo, lay.hi)
         return _DistStep(dense[rows], offsets, indices, None if labels is None else labels[rows], lr,
-                         self._buffers_for(plan.b), plan=plan, comm_before=before)
+                         self._buffers_for(lay.b), layout=lay, comm_before=before,
+                         loss_parts=np.zeros(self.nranks, np.float64))
 
     def embedding_forward_start(self, ctx: _DistStep) -> None:
-        """My tables on every rank's slice into the send blocks, replicated tables on my slice;
-        then post the alltoall, to travel during the bottom MLP forward."""
-        plan = ctx.plan
+        """Send the row shards' lookups, pool every piece (the others' while those travel), then
+        post the pooled pieces' alltoall, to travel during the bottom MLP forward."""
+        lay = ctx.layout
         with self.timer("embedding_fwd"):
-            for q, (lo, hi) in enumerate(plan.slices):
-                block = plan.fwd_send_blocks[q]
-                for k, t in enumerate(self.owned):
-                    off, idx = _slice_bags(ctx.offsets[t], ctx.indices[t], lo, hi)
-                    ops.embedding_bag_forward(self.emb[t], idx, off, out=block[k])
-            for k, t in enumerate(self.replicated):
-                off, idx = _slice_bags(ctx.offsets[t], ctx.indices[t], plan.lo, plan.hi)
-                ops.embedding_bag_forward(self.emb[t], idx, off, out=plan.replica_ly[k])
-        ctx.alltoall = self.exchange.ialltoallv("alltoall_fwd", plan.fwd_send, plan.own_counts,
-                                                plan.fwd_recv, plan.slice_counts)
+            ids = self._post_ids(ctx) if lay.has_rows else None
+            for s in self._held + self._replicas:
+                if s.kind not in ROW_KINDS:
+                    s.lookup(ctx)
+            if ids is not None:
+                self.exchange.wait(ids)
+                for s in self._held:
+                    if s.kind in ROW_KINDS:
+                        s.lookup(ctx)
+        ctx.alltoall = self._post_pooled(ctx)
+
+    def _post_ids(self, ctx: _DistStep):
+        """Bucket my slice's lookups of every row-sharded table; post lengths, then the rows."""
+        lay = ctx.layout
+        for s in self.shards:
+            if s.kind in ROW_KINDS:
+                s.bucket(ctx)
+
+        def rows():
+            send, sc, recv, rc, views = lay.ids_stage2(ctx.ids_out)
+            ctx.ids_in.update(views)
+            return send, sc, recv, rc
+
+        return self.exchange.ialltoallv("alltoall_ids", lay.ids_send, lay.ids_send_counts, lay.ids_recv,
+                                        lay.ids_recv_counts, then=rows)
+
+    def _post_pooled(self, ctx: _DistStep):
+        lay = ctx.layout
+        main = (lay.fwd_send, lay.send_counts, lay.fwd_recv, lay.recv_counts)
+        if not lay.has_node:
+            return self.exchange.ialltoallv("alltoall_fwd", *main)
+
+        def summed():
+            for s in self._held:
+                if s.kind == "table_row":
+                    s.forward_sums(ctx)
+            return main
+
+        return self.exchange.ialltoallv("alltoall_fwd", lay.node_send, lay.node_send_counts, lay.node_recv,
+                                        lay.node_recv_counts, then=summed)
 
     def embedding_forward(self, ctx: _DistStep) -> list:
         """My slice's pooled rows of every table, once the alltoall is in: T arrays (b, D)."""
         self.exchange.wait(ctx.alltoall)
-        return ctx.plan.ly               # the interaction takes the list as is
+        with self.timer("embedding_fwd"):
+            return [s.assemble(ctx) for s in self.shards]
 
     def loss_forward(self, ctx: _DistStep, logits):
         """My slice's loss; in training, post the allreduce of every rank's share of the global loss."""
         loss, probs = super().loss_forward(ctx, logits)
         if ctx.labels is not None:
-            plan = ctx.plan
-            plan.loss_parts[:] = 0.0
-            plan.loss_parts[self.rank] = loss * plan.b
-            ctx.loss_op = self.exchange.iallreduce("allreduce_loss", [plan.loss_parts])
+            ctx.loss_parts[self.rank] = loss * ctx.layout.b
+            ctx.loss_op = self.exchange.iallreduce("allreduce_loss", [ctx.loss_parts])
         return loss, probs
 
     def loss_backward(self, ctx: _DistStep, probs):
         """dloss/dlogits of the global mean: the op divides by my b, the global mean by B."""
-        return super().loss_backward(ctx, probs) * np.float32(ctx.plan.b / ctx.plan.batch)
+        return super().loss_backward(ctx, probs) * np.float32(ctx.layout.b / ctx.layout.batch)
 
     def _post_grads(self, pending, arrays, final=False):
         """Allreduce gradients as they appear: a bucket's worth or more alone and in place (no
@@ -245,69 +336,59 @@ class DistributedDLRM(DLRM, comm_variant=True):
             self._post_grads(ctx.grads, [dw, db], final=mlp == "bottom" and l == 0)
 
     def embedding_backward_start(self, ctx: _DistStep, dly) -> None:
-        """Post the reverse alltoall (my slice's dly to each table's owner), then the replicated
-        tables' dense gradients, bucketed with the MLP's: both travel during the bottom MLP backward."""
-        plan = ctx.plan
+        """Post the reverse alltoall (my slice's gradient pieces to their holders; then, for
+        table-row-wise tables, from each forwarder to its node's shards), then the replicated
+        tables' summed gradients, bucketed with the MLP's: all travel during the bottom MLP backward."""
+        lay = ctx.layout
         with self.timer("interaction"):
-            for tabs, block in zip(plan.tables_of, plan.bwd_send_blocks):
-                for k, t in enumerate(tabs):
-                    block[k] = dly[:, t]
-        ctx.alltoall = self.exchange.ialltoallv("alltoall_bwd", plan.bwd_send, plan.slice_counts,
-                                                plan.bwd_recv, plan.own_counts)
+            for s in self.shards:
+                if s.kind != "replicate":
+                    s.grad(ctx, dly[:, s.t])
+        main = (lay.bwd_send, lay.recv_counts, lay.bwd_recv, lay.send_counts)
+        then = None
+        if lay.has_node:
+            def then():
+                for s in self._held:
+                    if s.kind == "table_row":
+                        s.forward_grads(ctx)
+                return lay.node_bwd_send, lay.node_recv_counts, lay.node_bwd_recv, lay.node_send_counts
+        ctx.alltoall = self.exchange.ialltoallv("alltoall_bwd", *main, then=then)
         with self.timer("embedding_upd"):
-            ctx.replica_grads = self._replica_backward(ctx, dly)
-        ctx.grads.extend(ctx.replica_grads)
-
-    def _replica_backward(self, ctx: _DistStep, dly):
-        """Dense gradients (R, D) of the replicated tables from my slice (summed over ranks later)."""
-        grads = []
-        for t in self.replicated:
-            off, idx = _slice_bags(ctx.offsets[t], ctx.indices[t], ctx.plan.lo, ctx.plan.hi)
-            rows, drows = ops.embedding_bag_backward(idx, off, dly[:, t], self.embedding_sizes[t])
-            g = self._replica_grads.get(t)
-            if g is None:
-                g = self._replica_grads[t] = np.empty((self.embedding_sizes[t], self.embedding_dim), np.float32)
-            g.fill(0.0)
-            g[rows] = drows
-            grads.append(g)
-        return grads
+            ctx.grads.extend(s.grad(ctx, dly[:, s.t]) for s in self._replicas)
 
     def embedding_update(self, ctx: _DistStep, dly) -> None:
-        """Sparse SGD of my tables with the gradients of all B rows, which the reverse alltoall
-        brings (`dly`, my slice's, went out in embedding_backward_start)."""
-        plan = ctx.plan
+        """Each piece's update with the gradients of all B rows, which the reverse exchange brings."""
         self.exchange.wait(ctx.alltoall)
         with self.timer("embedding_upd"):
-            for k, t in enumerate(self.owned):
-                for (lo, hi), block in zip(plan.slices, plan.bwd_recv_blocks):
-                    plan.dout[lo:hi] = block[k]
-                ops.embedding_bag_sgd_(self.emb[t], ctx.indices[t], ctx.offsets[t], plan.dout, ctx.lr)
+            for s in self._held:
+                s.update(ctx)
                 self.exchange.progress()
 
     def dense_update(self, ctx: _DistStep, bot_grads, top_grads) -> None:
-        """Once every gradient allreduce is in: SGD of the MLPs, then of the replicated tables."""
+        """Once every gradient allreduce is in: SGD of the MLPs, then the replicated tables' updates."""
         self.exchange.wait_all()
         super().dense_update(ctx, bot_grads, top_grads)
         with self.timer("embedding_upd"):
-            for t, g in zip(self.replicated, ctx.replica_grads):
-                ops.sgd_(self.emb[t], g, ctx.lr)
+            for s in self._replicas:
+                s.update(ctx)
 
     def step_loss(self, ctx: _DistStep, loss) -> float:
         """The global batch-mean loss, the same on every rank."""
         self.exchange.wait(ctx.loss_op)
         self._account_comm(ctx.comm_before)
-        return float(ctx.plan.loss_parts.sum() / ctx.plan.batch)
+        return float(ctx.loss_parts.sum() / ctx.layout.batch)
 
     def forward_result(self, ctx: _DistStep, probs):
         """The whole batch's probabilities on every rank, gathered from the slices."""
-        plan = ctx.plan
-        counts = np.array([hi - lo for lo, hi in plan.slices], np.int64)
-        displs = np.array([lo for lo, _ in plan.slices], np.int64)
+        lay = ctx.layout
+        counts = np.array([hi - lo for lo, hi in lay.slices], np.int64)
+        displs = np.array([lo for lo, _ in lay.slices], np.int64)
+        out = np.empty(lay.batch, np.float32)
         t0 = time.perf_counter()
-        self.comm.Allgatherv(probs, [plan.probs, (counts, displs), self.exchange.MPI.FLOAT])
+        self.comm.Allgatherv(probs, [out, (counts, displs), self.exchange.MPI.FLOAT])
         self.exchange.stats.setdefault("allgather_probs", CommStat()).exposed += time.perf_counter() - t0
         self._account_comm(ctx.comm_before)
-        return plan.probs.copy()
+        return out
 
     def _account_comm(self, before):
         """Profile rows: time in MPI calls (exposed) and link time the overlap hid behind compute."""

@@ -1,17 +1,20 @@
-"""Sharded checkpoints of the hybrid-parallel DLRM: each rank writes its own tables, with a manifest.
+"""Sharded checkpoints of the hybrid-parallel DLRM: each rank writes its own table pieces, with a manifest.
 
 A checkpoint is a directory:
 
-    PATH/manifest.json          format, arch, meta, and per array: file, shape, crc32
-    PATH/gen-<id>/emb.<t>.npy   one file per table, written by the rank that owns it
-    PATH/gen-<id>/<name>.npy    MLP arrays and replicated tables, written by rank 0
+    PATH/manifest.json                        format, arch, meta, and per array: shape, crc32, and
+                                              for a table its pieces (file, rows, cols, crc32)
+    PATH/gen-<id>/emb.<t>.weight.r<a>-<b>.c<c>-<d>.npy   rows a..b-1, columns c..d-1 of table t,
+                                              written by the rank holding them (replicas: rank 0)
+    PATH/gen-<id>/<name>.npy                  MLP arrays, written by rank 0
 
 Every file is written to a temporary name, fsynced and renamed; rank 0 writes the manifest last,
 after every rank has reported its files, and only then deletes older generations. A save
 interrupted anywhere (a failing or killed rank) leaves the manifest pointing at the previous,
 complete generation, or no manifest at all: never a checkpoint that looks valid and is not.
-Loading reads the manifest and takes only the arrays this rank holds, so the rank count may
-differ from the one that saved (1 included: a plain DLRM loads it too).
+Loading reads the manifest and assembles each region this rank holds from the pieces that cover
+it, so the rank count and the sharding may differ from the ones that saved (one process too: a
+plain DLRM loads it). Version 1 checkpoints (whole tables per file) load as one piece per table.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ import numpy as np
 from .atomic import atomic_write, fsync_dir
 
 FORMAT = "jitkern-dlrm-sharded"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)
 MANIFEST = "manifest.json"
 
 
@@ -45,21 +49,33 @@ def _write_array(path: str, a: np.ndarray) -> dict:
     return {"shape": list(a.shape), "dtype": str(a.dtype), "crc32": _crc(a)}
 
 
-def _local_arrays(model) -> dict:
-    """name -> array this rank writes: its tables; on rank 0 also the MLPs and replicated tables."""
+def _local_files(model, gen: str):
+    """(file name relative to the checkpoint, array name, region or None, array) this rank writes."""
     comm = getattr(model, "comm", None)
     rank = 0 if comm is None else comm.Get_rank()
-    owner = getattr(getattr(model, "placement", None), "owner", None)
-    out = {}
-    for t, w in enumerate(model.emb):
-        if w is None:
-            continue
-        mine = owner is None or owner[t] == rank or (owner[t] < 0 and rank == 0)
-        if mine:
-            out[f"emb.{t}.weight"] = w if isinstance(w, np.ndarray) else w.to_float32()
+    for t, (r0, r1, c0, c1) in sorted(model.table_regions().items()):
+        if model.saves_region(t):
+            yield (os.path.join(gen, f"emb.{t}.weight.r{r0}-{r1}.c{c0}-{c1}.npy"), f"emb.{t}.weight",
+                   (r0, r1, c0, c1), model.read_region(t))
     if rank == 0:
-        out.update(model.mlp_state_dict())
-    return out
+        for name, a in model.mlp_state_dict().items():
+            yield os.path.join(gen, f"{name}.npy"), name, None, a
+
+
+def _merge(parts: list, shapes: dict) -> dict:
+    """Every rank's file entries -> the manifest's arrays (tables: pieces sorted by rows, cols)."""
+    arrays = {}
+    for part in parts:
+        for name, region, entry in part:
+            if region is None:
+                arrays[name] = entry
+            else:
+                e = arrays.setdefault(name, {"shape": list(shapes[name]), "dtype": "float32", "pieces": []})
+                e["pieces"].append(dict(entry, rows=list(region[:2]), cols=list(region[2:])))
+    for e in arrays.values():
+        if "pieces" in e:
+            e["pieces"].sort(key=lambda p: (p["rows"], p["cols"]))
+    return arrays
 
 
 def save_checkpoint(path: str, model, meta: dict, arch: dict) -> None:
@@ -71,16 +87,14 @@ def save_checkpoint(path: str, model, meta: dict, arch: dict) -> None:
         os.makedirs(os.path.join(path, gen), exist_ok=False)
     if comm is not None:
         gen = comm.bcast(gen, root=0)
-    entries = {}
-    for name, a in _local_arrays(model).items():
-        rel = os.path.join(gen, f"{name}.npy")
-        entries[name] = dict(_write_array(os.path.join(path, rel), a), file=rel)
+    entries = []
+    for rel, name, region, a in _local_files(model, gen):
+        entries.append((name, region, dict(_write_array(os.path.join(path, rel), a), file=rel)))
     fsync_dir(os.path.join(path, gen))
     parts = [entries] if comm is None else comm.gather(entries, root=0)
     if rank == 0:
-        arrays = {k: v for part in parts for k, v in part.items()}
         manifest = {"format": FORMAT, "version": VERSION, "ranks": 1 if comm is None else comm.Get_size(),
-                    "arch": arch, "meta": meta, "arrays": arrays}
+                    "arch": arch, "meta": meta, "arrays": _merge(parts, model.state_shapes())}
         with atomic_write(os.path.join(path, MANIFEST), "w") as f:
             json.dump(manifest, f)
         for old in os.listdir(path):          # earlier generations and leftovers of failed saves
@@ -100,13 +114,62 @@ def read_manifest(path: str) -> dict:
                                      "did not finish)") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ShardedCheckpointError(f"{path}: corrupt {MANIFEST}") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ShardedCheckpointError(f"{path}: not a {FORMAT} v{VERSION} checkpoint")
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE:
+        raise ShardedCheckpointError(f"{path}: not a {FORMAT} v{'/v'.join(map(str, READABLE))} checkpoint")
     return manifest
 
 
+def _pieces(entry: dict, shape: tuple) -> list:
+    """A table's pieces; a version 1 entry (the whole table in one file) is one piece."""
+    if "pieces" in entry:
+        return entry["pieces"]
+    return [dict(entry, rows=[0, shape[0]], cols=[0, shape[1]])]
+
+
+def _open(path: str, entry: dict, shape: tuple, what: str) -> np.ndarray:
+    """A memory map of one file, checked against its manifest entry (shape, dtype, checksum)."""
+    try:
+        a = np.load(os.path.join(path, entry["file"]), mmap_mode="r", allow_pickle=False)
+    except Exception as err:     # NumPy's header parser raises whatever its tokenizer and literal_eval do
+        raise ShardedCheckpointError(f"{path}: cannot read {entry['file']} ({type(err).__name__}: {err})") from None
+    if a.shape != tuple(shape) or a.dtype != np.float32 or _crc(a) != entry["crc32"]:
+        raise ShardedCheckpointError(f"{path}: {entry['file']} ({what}) is corrupt (shape, dtype or checksum mismatch)")
+    return a
+
+
+def _needed(path: str, arrays: dict, shapes: dict, regions: dict) -> dict:
+    """name -> [(piece entry, its rows, its cols)] of the files this rank reads."""
+    out = {}
+    for name, shape in shapes.items():
+        if not name.startswith("emb."):
+            out[name] = [(arrays[name], None, None)]
+            continue
+        region = regions.get(int(name.split(".")[1]))
+        if region is None:
+            continue
+        pieces = _pieces(arrays[name], shape)
+        if sum((p["rows"][1] - p["rows"][0]) * (p["cols"][1] - p["cols"][0]) for p in pieces) != shape[0] * shape[1]:
+            raise ShardedCheckpointError(f"{path}: the pieces of {name} do not cover it")
+        r0, r1, c0, c1 = region
+        out[name] = [(p, p["rows"], p["cols"]) for p in pieces
+                     if p["rows"][0] < r1 and p["rows"][1] > r0 and p["cols"][0] < c1 and p["cols"][1] > c0]
+    return out
+
+
+def _assemble(path: str, pieces: list, region: tuple) -> np.ndarray:
+    """The fp32 block of `region` from the (already checked) pieces that cover it."""
+    r0, r1, c0, c1 = region
+    block = np.empty((r1 - r0, c1 - c0), np.float32)
+    for p, (a0, a1), (b0, b1) in pieces:
+        a = np.load(os.path.join(path, p["file"]), mmap_mode="r", allow_pickle=False)
+        lo, hi, cl, ch = max(a0, r0), min(a1, r1), max(b0, c0), min(b1, c1)
+        block[lo - r0:hi - r0, cl - c0:ch - c0] = a[lo - a0:hi - a0, cl - b0:ch - b0]
+    return block
+
+
 def load_checkpoint(path: str, model, arch: dict) -> dict:
-    """Load the arrays this rank holds (every rank calls it; any rank count); returns meta."""
+    """Load the regions this rank holds (every rank calls it; any rank count and sharding); -> meta.
+    Every file it needs is checked before anything is loaded."""
     manifest = read_manifest(path)
     if manifest["arch"] != arch:
         diff = [k for k in arch if manifest["arch"].get(k) != arch[k]]
@@ -115,16 +178,18 @@ def load_checkpoint(path: str, model, arch: dict) -> dict:
     arrays = manifest["arrays"]
     if set(arrays) != set(shapes):
         raise ShardedCheckpointError(f"{path}: checkpoint arrays do not match the model's parameters")
-    wanted = {name for name in shapes if not name.startswith("emb.") or model.emb[int(name.split(".")[1])] is not None}
-    loaded = {}
-    for name in sorted(wanted):
-        e = arrays[name]
-        try:
-            a = np.load(os.path.join(path, e["file"]), mmap_mode="r", allow_pickle=False)
-        except Exception as err:     # NumPy's header parser raises whatever its tokenizer and literal_eval do
-            raise ShardedCheckpointError(f"{path}: cannot read {e['file']} ({type(err).__name__}: {err})") from None
-        if a.shape != shapes[name] or a.dtype != np.float32 or _crc(a) != e["crc32"]:
-            raise ShardedCheckpointError(f"{path}: {e['file']} is corrupt (shape, dtype or checksum mismatch)")
-        loaded[name] = a
-    model.load_local({k: np.asarray(v) for k, v in loaded.items()})
+    regions = model.table_regions()
+    needed = _needed(path, arrays, shapes, regions)
+    mlp = {}
+    for name, pieces in needed.items():          # first pass: every file checked, nothing loaded yet
+        for p, rows, cols in pieces:
+            shape = shapes[name] if rows is None else (rows[1] - rows[0], cols[1] - cols[0])
+            a = _open(path, p, shape, name)
+            if rows is None:
+                mlp[name] = a
+    for name, pieces in needed.items():
+        if name.startswith("emb."):
+            t = int(name.split(".")[1])
+            model.write_region(t, _assemble(path, pieces, regions[t]))
+    model.load_local({k: np.asarray(v) for k, v in mlp.items()})
     return manifest["meta"]

@@ -62,6 +62,8 @@ class Exchange:
         self.comm2 = comm.Dup()          # second stages of two-stage collectives (see _advance)
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.stats: dict[str, CommStat] = {}
+        self._types = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
+                       np.dtype(np.int64): MPI.INT64_T}
         self._pending: list[_Op] = []
         # the link, to tell how much transfer time the overlap hid (MPI cannot say)
         self.bandwidth, self.latency = measure_link(comm) if self.size > 1 else (np.inf, 0.0)
@@ -82,16 +84,37 @@ class Exchange:
         self._pending.append(op)
         return op
 
-    def ialltoallv(self, name, send, send_counts, recv, recv_counts) -> _Op:
-        """Post: send[displ_q : displ_q + send_counts[q]] -> rank q, received likewise by source."""
-        F = self.MPI.FLOAT
+    def _alltoallv(self, comm, send, send_counts, recv, recv_counts):
+        """-> (post function, bytes sent to other ranks, link seconds) of one alltoallv."""
+        T = self._types[send.dtype]
         sd = np.concatenate(([0], np.cumsum(send_counts)[:-1])).astype(np.int64)
         rd = np.concatenate(([0], np.cumsum(recv_counts)[:-1])).astype(np.int64)
         sc, rc = np.asarray(send_counts, np.int64), np.asarray(recv_counts, np.int64)
-        post = lambda: self.comm.Ialltoallv([send, (sc, sd), F], [recv, (rc, rd), F])
-        nbytes = int(sc.sum() - sc[self.rank]) * 4
-        wire = self._wire(self.size - 1, max(nbytes, int(rc.sum() - rc[self.rank]) * 4))
-        return self._start(_Op(name, [post], wire), nbytes)
+        post = lambda: comm.Ialltoallv([send, (sc, sd), T], [recv, (rc, rd), T])
+        item = send.dtype.itemsize
+        nbytes = int(sc.sum() - sc[self.rank]) * item
+        messages = int(np.count_nonzero(sc) - (sc[self.rank] > 0))
+        wire = self._wire(max(messages, 1), max(nbytes, int(rc.sum() - rc[self.rank]) * item))
+        return post, nbytes, wire
+
+    def ialltoallv(self, name, send, send_counts, recv, recv_counts, then=None) -> _Op:
+        """Post: send[displ_q : displ_q + send_counts[q]] -> rank q, received likewise by source
+        (float32, float64 or int64). then: None, or a function called once this exchange is in,
+        returning (send, send_counts, recv, recv_counts) of a second alltoallv posted next (what
+        the first carried may decide its sizes or contents)."""
+        post, nbytes, wire = self._alltoallv(self.comm, send, send_counts, recv, recv_counts)
+        stages = [post]
+        if then is not None:
+            def second():
+                post2, nbytes2, wire2 = self._alltoallv(self.comm2, *then())
+                st = self.stats[name]
+                st.nbytes += nbytes2
+                st.wire += wire2
+                op.wire += wire2
+                return post2()
+            stages.append(second)
+        op = _Op(name, stages, wire)
+        return self._start(op, nbytes)
 
     def iallreduce(self, name, arrays) -> _Op:
         """Post a sum over ranks of float32 (or float64) arrays, in place, identical on every rank.

@@ -68,6 +68,21 @@ def comm_from_env():
     return None
 
 
+def node_groups(comm, ranks_per_node: int = 0) -> tuple:
+    """The ranks of each node, nodes in order of their lowest rank: contiguous blocks of
+    `ranks_per_node` (JITKERN_RANKS_PER_NODE, to emulate nodes on one machine) when given, else
+    MPI's shared-memory split. Collective."""
+    P = comm.Get_size()
+    if ranks_per_node > 0:
+        return tuple(tuple(range(lo, min(lo + ranks_per_node, P))) for lo in range(0, P, ranks_per_node))
+    from mpi4py import MPI
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    leader = local.allreduce(comm.Get_rank(), op=MPI.MIN)
+    local.Free()
+    leaders = comm.allgather(leader)
+    return tuple(tuple(r for r in range(P) if leaders[r] == lead) for lead in sorted(set(leaders)))
+
+
 # --------------------------------------------------------------------------- faults
 
 _FAULT_STATE = {}

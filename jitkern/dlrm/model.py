@@ -34,19 +34,21 @@ _LR_MAX = float(np.finfo(np.float32).max)
 
 
 class StageTimer:
-    """Accumulated wall time per stage name (the trainer's --profile table)."""
+    """Accumulated wall time per stage name (the trainer's --profile table); clock: another clock
+    (time.thread_time: this thread's CPU time, what a stage costs on a core of its own)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.clock = clock
 
     @contextmanager
     def __call__(self, name: str):
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - t0)
+            self.add(name, self.clock() - t0)
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
@@ -224,6 +226,26 @@ class DLRM:
         sd = {f"emb.{t}.weight": w if isinstance(w, np.ndarray) else w.to_float32() for t, w in enumerate(self.emb)}
         sd.update(self.mlp_state_dict())
         return sd
+
+    def table_regions(self) -> dict:
+        """table -> (r0, r1, c0, c1): the rows and columns of it this process holds (all, here)."""
+        return {t: (0, r, 0, self.embedding_dim) for t, r in enumerate(self.embedding_sizes)}
+
+    def saves_region(self, t: int) -> bool:
+        """Whether this process writes its region of table t to a sharded checkpoint."""
+        return True
+
+    def read_region(self, t: int) -> np.ndarray:
+        """Table t's region as fp32 (the live table where it is fp32)."""
+        w = self.emb[t]
+        return w if isinstance(w, np.ndarray) else w.to_float32()
+
+    def write_region(self, t: int, block) -> None:
+        """Set table t's region from an fp32 block of its shape."""
+        if isinstance(self.emb[t], np.ndarray):
+            np.copyto(self.emb[t], block)
+        else:
+            self.emb[t] = ops.SplitBF16Table.from_float32(np.ascontiguousarray(block, np.float32))
 
     def state_shapes(self) -> dict:
         """name -> shape of every parameter (what load_state_dict expects), without building copies."""

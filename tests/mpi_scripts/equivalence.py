@@ -10,6 +10,8 @@ import numpy as np
 
 from jitkern.dlrm.launch import comm_from_env
 from jitkern.dlrm.model import DLRM
+from jitkern.dlrm.placement import place_tables
+from jitkern.dlrm.planner import whole_table_plan
 from jitkern.dlrm.synth import random_batch
 
 SIZES = [3, 50, 2000, 700, 5000, 64, 1200, 3000]     # tiny ones are replicated, the rest placed
@@ -21,7 +23,9 @@ def main(batch, steps, interaction, self_interaction, precision):
     arch = dict(embedding_sizes=SIZES, embedding_dim=DIM, bottom_mlp=[5, 24, DIM], top_mlp=[20, 1],
                 interaction=interaction, self_interaction=self_interaction, seed=7,
                 embedding_precision=precision)
-    dist = DLRM(**arch, comm=comm)
+    # the whole-table placement (tiny tables replicated, fp32 and bf16 alike)
+    plan = whole_table_plan(place_tables(SIZES, DIM, comm.Get_size()))
+    dist = DLRM(**arch, comm=comm, sharding=plan)
     single = DLRM(**arch)
     rs = np.random.RandomState(3)
     batches = [random_batch(rs, SIZES, 5, batch, 4, False) for _ in range(steps)]
@@ -42,7 +46,7 @@ def main(batch, steps, interaction, self_interaction, precision):
     if comm is None or comm.Get_rank() == 0:
         print(json.dumps({
             "ranks": 1 if comm is None else comm.Get_size(),
-            "placement": list(dist.placement.owner),
+            "placement": [-1 if s.kind == "replicate" else s.ranks[0] for s in dist.plan.tables],
             "losses_dist": losses_d, "losses_single": losses_s,
             "weight_err": weight_err,
             "probs_err": float(np.abs(probs_d - probs_s).max()),

@@ -1,0 +1,144 @@
+"""The exchange layout of one global batch size on one rank, for a sharding plan: the buffers the
+pooled pieces, their gradients, the row shards' lookups and the in-node sums travel in, and the
+views each sharding reads and writes (reused by every step with that batch size).
+
+Alltoallv buffers hold, per peer, the pieces for that peer in table order; a piece of table t
+between this rank and peer p is a contiguous (rows, width) view: fwd_out[p, t] (sent to p),
+fwd_in[p, t] (received from p), and their mirrors for the gradients, bwd_out and bwd_in.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .placement import batch_slices
+from .sharding import Scratch
+
+ROW_KINDS = ("row", "table_row")
+
+
+def _pack(parts, dtype=np.float32):
+    """parts: per peer, [(key, shape)] in order -> (flat buffer, element counts per peer,
+    {(peer, key): view})."""
+    counts = np.array([sum(int(np.prod(shape)) for _, shape in p) for p in parts], np.int64)
+    flat = np.empty(int(counts.sum()), dtype)
+    views, o = {}, 0
+    for peer, p in enumerate(parts):
+        for key, shape in p:
+            n = int(np.prod(shape))
+            views[peer, key] = flat[o:o + n].reshape(shape)
+            o += n
+    return flat, counts, views
+
+
+class Layout:
+    """Buffers and views of one global batch size on `rank` under `plan` (a planner.ShardingPlan)."""
+
+    def __init__(self, plan, rank: int, batch: int):
+        P, D = plan.nranks, plan.dim
+        self.rank, self.nranks, self.batch, self.dim = rank, P, batch, D
+        self.slices = batch_slices(batch, P)
+        self.lo, self.hi = self.slices[rank]
+        self.b = self.hi - self.lo
+        rows = [hi - lo for lo, hi in self.slices]
+        send = [[] for _ in range(P)]        # pieces this rank sends to q (forward)
+        recv = [[] for _ in range(P)]        # pieces it receives from s
+        for t, spec in enumerate(plan.tables):
+            for q in range(P):
+                send[q] += [(t, (rows[q], c1 - c0)) for s, c0, c1 in spec.pieces(q, D) if s == rank]
+            for s, c0, c1 in spec.pieces(rank, D):
+                recv[s].append((t, (self.b, c1 - c0)))
+        self.fwd_send, self.send_counts, self.fwd_out = _pack(send)
+        self.fwd_recv, self.recv_counts, self.fwd_in = _pack(recv)
+        self.bwd_recv, _, self.bwd_in = _pack(send)          # the gradients travel the other way
+        self.bwd_send, _, self.bwd_out = _pack(recv)
+        self._ids(plan, rows)
+        self._node(plan, rows)
+        self._scratch = np.empty(batch * D, np.float32)
+        self._dout = np.empty(batch * D, np.float32)
+        self._ly: dict = {}
+        self._replica: dict = {}
+        self.int_scratch = Scratch()
+
+    def _ids(self, plan, rows) -> None:
+        """Stage one of the row shards' lookups: the per-bag lengths, a fixed layout."""
+        P, me = self.nranks, self.rank
+        rowwise = [t for t, s in enumerate(plan.tables) if s.kind in ROW_KINDS]
+        self.has_rows = bool(rowwise)
+        send = [[(t, (self.b,)) for t in rowwise if q in plan.tables[t].ranks] for q in range(P)]
+        recv = [[(t, (rows[q],)) for t in rowwise if me in plan.tables[t].ranks] for q in range(P)]
+        self.ids_send, self.ids_send_counts, self.ids_len_out = _pack(send, np.int64)
+        self.ids_recv, self.ids_recv_counts, self.ids_len_in = _pack(recv, np.int64)
+        self.ids_tables_to = [[t for t, _ in p] for p in send]
+        self.ids_tables_from = [[t for t, _ in p] for p in recv]
+
+    def _node(self, plan, rows) -> None:
+        """The in-node sums of table-row-wise tables: my node's ranks and the samples each forwards."""
+        P, me, D = self.nranks, self.rank, self.dim
+        mine = [t for t, s in enumerate(plan.tables) if s.kind == "table_row" and me in s.ranks]
+        self.has_node = any(s.kind == "table_row" for s in plan.tables)
+        members = {plan.tables[t].ranks for t in mine}
+        if len(members) > 1:
+            raise ValueError(f"rank {me} is in table-row-wise groups {sorted(members)}: a rank's "
+                             "table-row-wise tables must all use the ranks of its node")
+        group = next(iter(members), ())
+        self.node_slices, self.node_rows, self.node_owned = {}, {}, []
+        for i in group:
+            owned = [q for q in range(P) if plan.tables[mine[0]].forwarder(q) == i]
+            ends = np.cumsum([0] + [rows[q] for q in owned])
+            self.node_slices[i] = [self.slices[q] for q in owned]
+            self.node_rows[i] = list(zip(ends[:-1].tolist(), ends[1:].tolist()))
+            if i == me:
+                self.node_owned = owned
+        n = {i: (self.node_rows[i][-1][1] if self.node_rows[i] else 0) for i in group}
+        send = [[(t, (n[q], D)) for t in mine] if q in group else [] for q in range(P)]
+        recv = [[(t, (n[me], D)) for t in mine] if q in group else [] for q in range(P)]
+        self.node_send, self.node_send_counts, self.node_out = _pack(send)
+        self.node_recv, self.node_recv_counts, self.node_in = _pack(recv)
+        self.node_bwd_recv, _, self.node_bwd_in = _pack(send)
+        self.node_bwd_send, _, self.node_bwd_out = _pack(recv)
+        self._node_sum = np.empty((n.get(me, 0), D), np.float32)
+
+    # ---- per-step scratch
+    def scratch(self, width: int) -> np.ndarray:
+        """(batch, width) for a piece's pooled rows (each user is done with it before the next)."""
+        return self._scratch[:self.batch * width].reshape(self.batch, width)
+
+    def dout(self, width: int) -> np.ndarray:
+        """(batch, width) for a piece's gathered gradient."""
+        return self._dout[:self.batch * width].reshape(self.batch, width)
+
+    def ly_buffer(self, t: int) -> np.ndarray:
+        """(b, D) of table t's pooled rows of my slice, where they are assembled rather than received."""
+        buf = self._ly.get(t)
+        if buf is None:
+            buf = self._ly[t] = np.empty((self.b, self.dim), np.float32)
+        return buf
+
+    def node_sum(self, t: int) -> np.ndarray:
+        return self._node_sum
+
+    def replica_grad(self, t: int, rows: int, dim: int) -> np.ndarray:
+        """(rows, dim) for a replicated table's summed gradient (grown as needed, kept)."""
+        buf = self._replica.get(t)
+        if buf is None or buf.size < rows * dim:
+            buf = self._replica[t] = np.empty(max(rows * dim, 1), np.float32)
+        return buf[:rows * dim].reshape(rows, dim)
+
+    def ids_stage2(self, ids_out: dict):
+        """Stage two of the row shards' lookups, once the lengths are in: (send buffer, send counts,
+        receive buffer, receive counts, {(q, t): received rows})."""
+        P = self.nranks
+        parts = [[ids_out[s, t] for t in self.ids_tables_to[s]] for s in range(P)]
+        send_counts = np.array([sum(len(a) for a in p) for p in parts], np.int64)
+        send = self.int_scratch("ids_send", int(send_counts.sum()))
+        if len(send):
+            np.concatenate([a for p in parts for a in p], out=send)
+        sizes = [[int(self.ids_len_in[q, t].sum()) for t in self.ids_tables_from[q]] for q in range(P)]
+        recv_counts = np.array([sum(s) for s in sizes], np.int64)
+        recv = self.int_scratch("ids_recv", int(recv_counts.sum()))
+        views, o = {}, 0
+        for q in range(P):
+            for t, n in zip(self.ids_tables_from[q], sizes[q]):
+                views[q, t] = recv[o:o + n]
+                o += n
+        return send, send_counts, recv, recv_counts, views

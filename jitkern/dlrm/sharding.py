@@ -1,0 +1,443 @@
+"""Table shardings at run time: this rank's part of one table, one small class per kind, one interface.
+
+    init(rs)               consume the table's share of the one-process init stream; keep my region
+    bucket(st)             row kinds: send my slice's lookups to the shards holding their rows
+    lookup(st)             forward: pool what this rank sends (replicate: my slice's own rows)
+    assemble(st)           -> ly (b, D): my slice's pooled rows from the pieces received
+    grad(st, dly)          backward: my slice's pooled gradient (b, D) into the pieces sent back
+    update(st)             apply my piece's update through the table optimizer (the one seam)
+    read() / write(block)  the fp32 rows and columns of my region (state_dict and checkpoints)
+
+`st` is the step (dist._DistStep): the global batch's lookups, the learning rate and the exchange
+layout of this batch size (layout.Layout), whose views the pieces travel in.
+
+Against one process (same seed, same global batch), the weights are
+- table, column: bit-identical (every bag is pooled, and every row updated, in the same order)
+- row, table_row: updates bit-identical given the same pooled gradient; a bag whose lookups fall
+  into several shards is pooled as a sum of partial sums (in shard order), which reorders its
+  float sums: within 1e-6 relative (bit-identical with one lookup per bag)
+- replicate: the gradients of each rank's samples are summed across ranks and then applied once
+  per row, where one process applies them lookup by lookup: within 1e-6 relative
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .. import ops
+from ..ops.embedding import empty_table
+
+INIT_CHUNK = 1 << 16        # rows drawn per call: as DLRM._init_table, so the streams match
+
+
+# --------------------------------------------------------------------------- table optimizers
+
+
+class TableOptimizer:
+    """How a table piece takes its pooled gradient: the seam every sharding's update goes through.
+
+    state(rows, width): the optimizer state of a (rows, width) piece (sharded with it; None for
+    SGD). update(weight, state, indices, offsets, dout, lr, group): apply the gradient dout (B, w)
+    of the bags (indices, offsets) to the piece. group: None where the piece holds whole rows;
+    for a column piece, the ColumnGroup of the table's column pieces, for optimizers whose row
+    update needs the whole row (row-wise Adagrad). Element-wise state shards like the weights
+    and needs no group.
+    """
+    name = "sgd"
+    needs_group = False          # whether a column piece's update needs the other column pieces
+
+    def state(self, rows: int, width: int):
+        return None
+
+    def update(self, weight, state, indices, offsets, dout, lr, group=None) -> None:
+        ops.embedding_bag_sgd_(weight, indices, offsets, dout, lr)
+
+
+class SGD(TableOptimizer):
+    """Fused sparse SGD (fp32 tables, or bf16 Split-SGD pairs: exact fp32 updates)."""
+
+
+class RowwiseAdagrad(TableOptimizer):
+    """Row-wise Adagrad (ops.embedding_bag_adagrad_'s): state[r] += mean over the row's D columns
+    of g**2; w[r] -= lr g / (sqrt(state[r]) + eps). A column piece sees D/k columns: the per-row
+    sums of squares are summed over the column group first (in piece order, identical on every
+    member), then each piece applies the same row steps to its columns (fp32 tables only)."""
+    name = "rowwise_adagrad"
+    needs_group = True
+
+    def __init__(self, eps: float = 1e-8):
+        self.eps = float(eps)
+
+    def state(self, rows: int, width: int):
+        return np.zeros(rows, np.float32)
+
+    def update(self, weight, state, indices, offsets, dout, lr, group=None) -> None:
+        if group is None:
+            ops.embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, self.eps)
+            return
+        rows, drows = ops.embedding_bag_backward(indices, offsets, dout, weight.shape[0])
+        g = drows.astype(np.float64)
+        sq = group.sum(np.einsum("ij,ij->i", g, g))                # (U,) over all D columns
+        s_new = (state[rows].astype(np.float64) + sq / group.dim).astype(np.float32)
+        state[rows] = s_new
+        step = (np.float32(lr) / (np.sqrt(s_new.astype(np.float64)) + self.eps)).astype(np.float32)
+        # w - round(step * g): the fused op's w + round(-step * g), row by row
+        ops.embedding_bag_sgd_(weight, rows, np.arange(len(rows), dtype=np.int64), drows, 1.0,
+                               per_sample_weights=step)
+
+
+TABLE_OPTIMIZERS = {"sgd": SGD, "rowwise_adagrad": RowwiseAdagrad}
+
+
+class ColumnGroup:
+    """The ranks holding one table's column pieces, for row updates that need the whole row.
+    progress: called while waiting, so that the model's other exchanges in flight move on (a
+    member blocked here must not hold up the exchanges its peers still wait for)."""
+
+    def __init__(self, comm, dim: int, progress=None):
+        self.comm, self.dim, self.progress = comm, int(dim), progress
+
+    def sum(self, partial: np.ndarray) -> np.ndarray:
+        """Every member's `partial` (U,) float64, summed in piece order (the same on every member)."""
+        parts = np.empty((self.comm.Get_size(), len(partial)), np.float64)
+        req = self.comm.Iallgather(np.ascontiguousarray(partial), parts)
+        while not req.Test():
+            if self.progress is not None:
+                self.progress()
+            os.sched_yield()
+        total = parts[0].copy()
+        for p in parts[1:]:
+            total += p
+        return total
+
+
+# --------------------------------------------------------------------------- shards
+
+
+def slice_bags(offsets, indices, lo, hi):
+    """The bags of samples lo..hi-1 of one table: (offsets (hi-lo,) from 0, indices view)."""
+    start = int(offsets[lo]) if lo < len(offsets) else len(indices)
+    end = int(offsets[hi]) if hi < len(offsets) else len(indices)
+    return offsets[lo:hi] - start, indices[start:end]
+
+
+class Scratch:
+    """Grow-only named buffers, reused step after step (fresh NumPy temporaries of a batch's size
+    cost more in page faults than the arithmetic on them)."""
+
+    def __init__(self):
+        self._bufs: dict = {}
+
+    def __call__(self, name, n: int, dtype=np.int64) -> np.ndarray:
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            buf = self._bufs[name] = np.empty(max(n, 1), dtype)
+        return buf[:n]
+
+
+def bucket(offsets, indices, bounds, scratch=None, name="rows"):
+    """Sort one table's lookups of some bags by row shard, keeping each shard's in position order.
+
+    offsets: (b,) int64 from 0, indices: (n,) int64, bounds: (k+1,) even row bounds (planner's
+    ceil(j R / k), so the shard of row i is i * k // R) -> (lengths (k, b): lookups of each bag
+    in each shard, rows (n,): rows minus their shard's first row, grouped by shard, ends (k+1,)).
+    scratch: a Scratch for the temporaries; the rows land in its buffer `name`.
+    """
+    scratch = scratch or Scratch()
+    b, n, k, R = len(offsets), len(indices), len(bounds) - 1, bounds[-1]
+    shard, local, key = scratch("shard", n), scratch("local", n), scratch("key", n)
+    np.floor_divide(np.multiply(indices, k, out=shard), R, out=shard)
+    np.add(np.floor_divide(np.multiply(shard, -R, out=local), k, out=local), indices, out=local)
+    np.add(np.multiply(shard, b, out=key), np.repeat(np.arange(b), np.diff(offsets, append=n)), out=key)
+    lengths = np.bincount(key, minlength=k * b).reshape(k, b)
+    small = scratch("shard16", n, np.int16 if k < 1 << 15 else np.int32)
+    np.copyto(small, shard, casting="unsafe")
+    rows = np.take(local, np.argsort(small, kind="stable"), out=scratch(name, n))
+    ends = np.zeros(k + 1, np.int64)
+    np.cumsum(lengths.sum(axis=1), out=ends[1:])
+    return lengths, rows, ends
+
+
+class Shard:
+    """This rank's part of table t under `spec` (a planner.TableSharding); the base holds whole rows
+    and columns of its region and pools them for the whole global batch (table-wise)."""
+    kind = "table"
+
+    def __init__(self, t: int, spec, rows: int, dim: int, rank: int, *, precision="fp32",
+                 optimizer: TableOptimizer | None = None, group: ColumnGroup | None = None):
+        self.t, self.spec, self.rows, self.dim, self.rank = t, spec, int(rows), int(dim), rank
+        self.precision = precision
+        self.optimizer = optimizer or SGD()
+        self.group = group
+        self.piece = spec.piece_of(rank)
+        self.region = spec.region(self.piece, self.rows, self.dim) if self.piece is not None else None
+        self.weight = self.state = None
+
+    @property
+    def held(self) -> bool:
+        return self.piece is not None
+
+    @property
+    def width(self) -> int:
+        return self.region[3] - self.region[2]
+
+    # ---- parameters
+    def init(self, rs) -> None:
+        """Draw the whole table's init numbers in order (one process's stream), keep my region."""
+        R, D = self.rows, self.dim
+        if not self.held:
+            for r0 in range(0, R, INIT_CHUNK):
+                rs.random_sample((min(R, r0 + INIT_CHUNK) - r0) * D)
+            return
+        a0, a1, c0, c1 = self.region
+        w = empty_table(a1 - a0, c1 - c0)
+        bound = np.sqrt(1.0 / R)
+        for r0 in range(0, R, INIT_CHUNK):
+            r1 = min(R, r0 + INIT_CHUNK)
+            if r1 <= a0 or r0 >= a1:
+                rs.random_sample((r1 - r0) * D)
+                continue
+            chunk = rs.uniform(low=-bound, high=bound, size=(r1 - r0, D))
+            lo, hi = max(r0, a0), min(r1, a1)
+            w[lo - a0:hi - a0] = chunk[lo - r0:hi - r0, c0:c1]
+        self.weight = ops.SplitBF16Table.from_float32(w) if self.precision == "bf16" else w
+        self.state = self.optimizer.state(*w.shape)
+
+    def write(self, block) -> None:
+        """Set my region from an fp32 (rows, width) block."""
+        if self.precision == "bf16":
+            self.weight = ops.SplitBF16Table.from_float32(np.ascontiguousarray(block, np.float32))
+        else:
+            if self.weight is None:
+                self.weight = empty_table(*block.shape)
+            np.copyto(self.weight, block)
+        if self.state is None:
+            self.state = self.optimizer.state(*self.weight.shape)
+
+    def read(self) -> np.ndarray:
+        """My region as fp32: the live table (fp32) or the joined halves (bf16)."""
+        return self.weight if isinstance(self.weight, np.ndarray) else self.weight.to_float32()
+
+    def nbytes(self) -> int:
+        if self.weight is None:
+            return 0
+        w = self.weight
+        n = w.nbytes if isinstance(w, np.ndarray) else w.hi.nbytes + w.lo.nbytes
+        return n + (0 if self.state is None else self.state.nbytes)
+
+    # ---- step
+    def bucket(self, st) -> None:
+        """Row kinds only: send my slice's lookups to the shards holding their rows."""
+
+    def lookup(self, st) -> None:
+        """Pool the whole global batch from my region and send each rank its slice's rows."""
+        lay = st.layout
+        pooled = lay.scratch(self.width)
+        ops.embedding_bag_forward(self.weight, st.indices[self.t], st.offsets[self.t], out=pooled)
+        for q, (lo, hi) in enumerate(lay.slices):
+            lay.fwd_out[q, self.t][...] = pooled[lo:hi]
+
+    def assemble(self, st) -> np.ndarray:
+        return st.layout.fwd_in[self.spec.ranks[0], self.t]
+
+    def grad(self, st, dly) -> None:
+        st.layout.bwd_out[self.spec.ranks[0], self.t][...] = dly
+
+    def gathered_grad(self, st) -> np.ndarray:
+        """The pooled gradient (B, width) of the whole batch for my region, from every rank's piece."""
+        lay = st.layout
+        dout = lay.dout(self.width)
+        for q, (lo, hi) in enumerate(lay.slices):
+            dout[lo:hi] = lay.bwd_in[q, self.t]
+        return dout
+
+    def update(self, st) -> None:
+        t = self.t
+        self.optimizer.update(self.weight, self.state, st.indices[t], st.offsets[t], self.gathered_grad(st),
+                              st.lr, self.group)
+
+
+class TableShard(Shard):
+    """table: the whole table on one rank. Bit-identical to one process."""
+
+
+class ColumnShard(Shard):
+    """column: D split into column blocks; my block pooled for the whole batch; the sample owners
+    put the blocks side by side. Bit-identical to one process (each element sums the same terms
+    in the same order)."""
+    kind = "column"
+
+    def assemble(self, st) -> np.ndarray:
+        lay = st.layout
+        ly = lay.ly_buffer(self.t)
+        for s, c0, c1 in self.spec.pieces(lay.rank, self.dim):
+            ly[:, c0:c1] = lay.fwd_in[s, self.t]
+        return ly
+
+    def grad(self, st, dly) -> None:
+        lay = st.layout
+        for s, c0, c1 in self.spec.pieces(lay.rank, self.dim):
+            lay.bwd_out[s, self.t][...] = dly[:, c0:c1]
+
+
+class RowShard(Shard):
+    """row: row ranges on k ranks. Each sample owner buckets its slice's lookups by shard and sends
+    them (bucket); each shard pools the partial sums of its rows for the whole batch (lookup); the
+    sample owners add the k partial sums up in shard order (assemble). Updates are bit-identical
+    to one process given the same pooled gradient (each row takes its lookups in position order);
+    pooled sums are within 1e-6 relative (bit-identical with one lookup per bag)."""
+    kind = "row"
+
+    def bucket(self, st) -> None:
+        lay, t = st.layout, self.t
+        off, idx = slice_bags(st.offsets[t], st.indices[t], lay.lo, lay.hi)
+        lengths, rows, ends = bucket(off, idx, self.spec.bounds, lay.int_scratch, ("rows", t))
+        for j, s in enumerate(self.spec.ranks):
+            lay.ids_len_out[s, t][...] = lengths[j]
+            st.ids_out[s, t] = rows[ends[j]:ends[j + 1]]
+
+    def lookups(self, st):
+        """(offsets (B,), rows) of the whole batch's lookups into my rows, from every rank's slice."""
+        lay, t = st.layout, self.t
+        parts = [st.ids_in[q, t] for q in range(lay.nranks)]
+        rows = np.concatenate(parts, out=lay.int_scratch(("bags", t), sum(len(p) for p in parts)))
+        lengths = np.concatenate([lay.ids_len_in[q, t] for q in range(lay.nranks)],
+                                 out=lay.int_scratch("lengths", lay.batch))
+        off = lay.int_scratch(("offsets", t), lay.batch)
+        off[:1] = 0
+        np.cumsum(lengths[:-1], out=off[1:])
+        st.row_bags[t] = (off, rows)
+        return off, rows
+
+    def lookup(self, st) -> None:
+        lay = st.layout
+        off, rows = self.lookups(st)
+        pooled = lay.scratch(self.dim)
+        ops.embedding_bag_forward(self.weight, rows, off, out=pooled)
+        self.send_partial(st, pooled)
+
+    def send_partial(self, st, pooled) -> None:
+        lay = st.layout
+        for q, (lo, hi) in enumerate(lay.slices):
+            lay.fwd_out[q, self.t][...] = pooled[lo:hi]
+
+    def assemble(self, st) -> np.ndarray:
+        lay = st.layout
+        parts = [lay.fwd_in[s, self.t] for s in self.spec.ranks]
+        if len(parts) == 1:
+            return parts[0]
+        ly = lay.ly_buffer(self.t)
+        np.add(parts[0], parts[1], out=ly)
+        for p in parts[2:]:
+            np.add(ly, p, out=ly)
+        return ly
+
+    def grad(self, st, dly) -> None:
+        for s in self.spec.ranks:
+            st.layout.bwd_out[s, self.t][...] = dly
+
+    def update(self, st) -> None:
+        off, rows = st.row_bags[self.t]
+        self.optimizer.update(self.weight, self.state, rows, off, self.gathered_grad(st), st.lr, self.group)
+
+
+class TableRowShard(RowShard):
+    """table_row: row-wise over one node's ranks. The partial sums of rank q's samples go to the
+    node rank forwarder(q) inside the node, which adds them up (in shard order) and sends one
+    block to q; q's gradient comes back to the forwarder, which hands it to the node's shards.
+    The same contract as row."""
+    kind = "table_row"
+
+    def send_partial(self, st, pooled) -> None:
+        lay = st.layout
+        for i in self.spec.ranks:
+            out = lay.node_out[i, self.t]
+            for (lo, hi), (a, b) in zip(lay.node_slices[i], lay.node_rows[i]):
+                out[a:b] = pooled[lo:hi]
+
+    def forward_sums(self, st) -> None:
+        """On the forwarder: my ranks' sums of the node's partial pools into the pieces they get."""
+        lay, t = st.layout, self.t
+        parts = [lay.node_in[s, t] for s in self.spec.ranks]
+        acc = lay.node_sum(t)
+        np.copyto(acc, parts[0])
+        for p in parts[1:]:
+            np.add(acc, p, out=acc)
+        for q, (a, b) in zip(lay.node_owned, lay.node_rows[lay.rank]):
+            lay.fwd_out[q, t][...] = acc[a:b]
+
+    def assemble(self, st) -> np.ndarray:
+        return st.layout.fwd_in[self.spec.forwarder(st.layout.rank), self.t]
+
+    def grad(self, st, dly) -> None:
+        st.layout.bwd_out[self.spec.forwarder(st.layout.rank), self.t][...] = dly
+
+    def forward_grads(self, st) -> None:
+        """On the forwarder: the gradients of my ranks' samples, to every shard of the node."""
+        lay, t = st.layout, self.t
+        for s in self.spec.ranks:
+            out = lay.node_bwd_out[s, t]
+            for q, (a, b) in zip(lay.node_owned, lay.node_rows[lay.rank]):
+                out[a:b] = lay.bwd_in[q, t]
+
+    def gathered_grad(self, st) -> np.ndarray:
+        lay = st.layout
+        dout = lay.dout(self.dim)
+        for i in self.spec.ranks:
+            src = lay.node_bwd_in[i, self.t]
+            for (lo, hi), (a, b) in zip(lay.node_slices[i], lay.node_rows[i]):
+                dout[lo:hi] = src[a:b]
+        return dout
+
+
+class ReplicatedShard(Shard):
+    """replicate: the table on every rank. Each rank pools its own slice; the gradients of each
+    rank's samples are summed across ranks (over the rows the batch touches, or every row when it
+    touches many: the same choice on every rank) and every replica applies the same update.
+    Pooling is bit-identical to one process; the update applies each row's summed gradient once
+    where one process applies it lookup by lookup: within 1e-6 relative."""
+    kind = "replicate"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._arange = np.arange(self.rows, dtype=np.int64)     # every row; one bag per row
+
+    def lookup(self, st) -> None:
+        lay, t = st.layout, self.t
+        off, idx = slice_bags(st.offsets[t], st.indices[t], lay.lo, lay.hi)
+        ops.embedding_bag_forward(self.weight, idx, off, out=lay.ly_buffer(t))
+
+    def assemble(self, st) -> np.ndarray:
+        return st.layout.ly_buffer(self.t)
+
+    def touched(self, st):
+        """The rows whose gradients are summed: None for every row, else the batch's distinct rows."""
+        idx = st.indices[self.t]
+        return None if len(idx) * 4 >= self.rows else np.unique(idx)
+
+    def grad(self, st, dly) -> np.ndarray:
+        """-> my slice's gradient rows, scattered into the buffer the ranks sum (rows x D)."""
+        lay, t = st.layout, self.t
+        off, idx = slice_bags(st.offsets[t], st.indices[t], lay.lo, lay.hi)
+        rows, drows = ops.embedding_bag_backward(idx, off, dly, self.rows)
+        touched = self.touched(st)
+        buf = lay.replica_grad(t, self.rows if touched is None else len(touched), self.dim)
+        buf.fill(0.0)
+        buf[rows if touched is None else np.searchsorted(touched, rows)] = drows
+        st.replica[t] = (touched, buf)
+        return buf
+
+    def update(self, st) -> None:
+        """Every replica applies the summed gradient, one bag per row."""
+        touched, grad = st.replica[self.t]
+        rows = self._arange if touched is None else touched
+        self.optimizer.update(self.weight, self.state, rows, self._arange[:len(rows)], grad, st.lr, None)
+
+
+SHARDS = {"table": TableShard, "column": ColumnShard, "row": RowShard, "table_row": TableRowShard,
+          "replicate": ReplicatedShard}
+
+
+def make_shard(t: int, spec, rows: int, dim: int, rank: int, **kwargs) -> Shard:
+    return SHARDS[spec.kind](t, spec, rows, dim, rank, **kwargs)
