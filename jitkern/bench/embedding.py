@@ -18,7 +18,7 @@ import argparse
 import numpy as np
 
 from .. import ops
-from ..ops.optim import SplitBF16Table
+from ..ops import SplitBF16Table
 from .common import copy_bandwidth_gbs, do_bench, print_table, set_threads, torch_or_none
 
 LR = 0.01
