@@ -254,8 +254,8 @@ def _parallel_search(problem, quick, timer):
     """Time the hashed update on one thread and in `threads` position ranges at a few batch sizes;
     serial up to the last size before the parallel one wins."""
     rows, dim, pooling, _, _, threads = problem
-    if threads == 1:
-        return {"min_nnz": PARALLEL_MIN_NNZ}
+    if threads == 1:  # nothing to time: the hashed update takes one thread
+        return PARALLEL.heuristic(problem)
     target = (make_table(problem), np.zeros(rows, np.float32))
     prefetch = PREFETCH.choose(problem)
     kernels = _all_kernels(dim, prefetch["distance"])

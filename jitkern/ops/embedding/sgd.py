@@ -244,8 +244,8 @@ def _parallel_search(problem, quick, timer):
     """Time the serial update and the one in `threads` ownership parts at a few batch sizes, on the
     problem's table; parallel from the first size at which it wins (the table size is the class's)."""
     rows, dim, pooling, _, itemsize, threads = problem
-    if threads == 1:
-        return {"min_work": NEVER, "min_table": PARALLEL_MIN_TABLE}
+    if threads == 1:  # nothing to time: _parts gives one part
+        return PARALLEL.heuristic(problem)
     target = _target(make_table(problem))
     prefetch, widen = PREFETCH.choose(problem), WIDEN.choose(problem)
     kernels = {par: get_kernel(_spec(dim, itemsize == 2, par, prefetch, widen)) for par in (False, True)}
