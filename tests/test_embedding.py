@@ -45,7 +45,8 @@ def _force_path(mp, path):
     hashed Adagrad and the serial SGD; general: the parallel forward, the radix-sorted Adagrad and
     SGD in 2 ownership parts; hashed-parallel: the parallel forward, hashed Adagrad applied in 3
     position ranges and SGD in 3 ownership parts."""
-    mp.setattr(forward, "_serial", lambda work, serial_max_work: path == "fast")
+    kernels = forward._kernels  # (serial_max_work, serial, parallel): always or never serial
+    mp.setattr(forward, "_kernels", lambda *a: (-1 if path != "fast" else 1 << 62,) + kernels(*a)[1:])
     parts = {"fast": 1, "general": 2, "hashed-parallel": 3}[path]
     mp.setattr(sgd, "_parts", lambda nnz, dim, table_bytes, threads, parallel: parts)
     update = {"fast": "hashed", "general": "sorted", "hashed-parallel": "hashed-parallel"}[path]

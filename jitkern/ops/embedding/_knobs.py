@@ -92,10 +92,20 @@ def numba_threads(n: int):
         numba.set_num_threads(before)
 
 
+def on_threads(threads: int, call):
+    """`call` run with `threads` numba threads (a runner's timed callable for a parallel kernel)."""
+    def run():
+        with numba_threads(threads):
+            call()
+    return run
+
+
 def crossover(timer, sizes, run):
-    """The first of the ascending `sizes` at which run(size, True) (parallel) times faster than
-    run(size, False) (serial), or None if it never does."""
+    """(last, first): of the ascending `sizes`, the first at which run(size, True) (parallel) times
+    faster than run(size, False) (serial), and the size before it (None where there is none)."""
+    last = None
     for size in sizes:
         if timer(run(size, True)) < timer(run(size, False)):
-            return size
-    return None
+            return last, size
+        last = size
+    return last, None

@@ -36,6 +36,7 @@ from ._knobs import (
     draw_batches,
     make_table,
     numba_threads,
+    on_threads,
     problems,
     shape_class,
 )
@@ -235,13 +236,7 @@ def _timed(problem, prefetch, parallel):
     kernels = _all_kernels(dim, prefetch["distance"])
     call = cycle([functools.partial(_run, kernels, path, bags, len(bags[1]), dout, _LR, _EPS, target, threads,
                                     int(prefetch["link"])) for bags in batches])
-    if path == "hashed":
-        return call
-
-    def with_threads():
-        with numba_threads(threads):
-            call()
-    return with_threads
+    return call if path == "hashed" else on_threads(threads, call)
 
 
 def _prefetch_candidates(problem, quick):
@@ -268,11 +263,10 @@ def _parallel_search(problem, quick, timer):
 
     sizes = (64, 512, 4096) if quick else (16, 64, 256, 1024, 4096, 16384)
     with numba_threads(threads):
-        first = crossover(timer, sizes, run)
+        last, first = crossover(timer, sizes, run)
     if first is None:
         return {"min_nnz": NEVER}
-    below = [s for s in sizes if s < first]
-    return {"min_nnz": below[-1] * pooling if below else 0}
+    return {"min_nnz": 0 if last is None else last * pooling}
 
 
 PREFETCH = knob("embedding.update.prefetch.adagrad",
@@ -287,22 +281,21 @@ PARALLEL = knob("embedding.parallel.adagrad", doc="indices up to which the hashe
 
 # ----------------------------------------------------------------------------- op
 
-_KERNELS: dict = {}
+_KERNELS: dict = {}  # as forward._KERNELS
 
 
 def _kernels(rows, dim, threads, nnz, nbags):
     """(parallel threshold, linking distance, {path: kernel}) of a table at a thread count,
     memoised as forward._kernels."""
-    key = (rows, dim, threads, choice_token(), tunedb.generation())
+    token = (choice_token(), tunedb.generation())
+    key = (rows, dim, threads)
     got = _KERNELS.get(key)
-    if got is None:
-        if len(_KERNELS) > 4096:
-            _KERNELS.clear()
+    if got is None or got[0] != token:
         problem = call_problem(rows, dim, nnz, nbags, 4, threads)
         prefetch = PREFETCH.choose(problem)
-        got = _KERNELS[key] = (PARALLEL.choose(problem)["min_nnz"], int(prefetch["link"]),
-                               _all_kernels(dim, prefetch["distance"]))
-    return got
+        got = _KERNELS[key] = (token, (PARALLEL.choose(problem)["min_nnz"], int(prefetch["link"]),
+                                       _all_kernels(dim, prefetch["distance"])))
+    return got[1]
 
 
 def embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, eps=1e-8, *, mode="sum",

@@ -31,6 +31,7 @@ from ._knobs import (
     draw_batches,
     make_table,
     numba_threads,
+    on_threads,
     problems,
     shape_class,
 )
@@ -149,7 +150,7 @@ def _prefetch_candidates(problem, quick):
 
 def _timed(problem, prefetch, widen):
     """The forward of the problem's batches with these choices, inputs built here (untimed)."""
-    rows, dim, _, batch, itemsize, threads = problem
+    _, dim, _, batch, itemsize, threads = problem
     table = make_table(problem)
     w = table.hi if itemsize == 2 else table
     batches, _ = draw_batches(problem)
@@ -157,13 +158,7 @@ def _timed(problem, prefetch, widen):
     kern = get_kernel(_spec(dim, itemsize == 2, serial, prefetch, widen))
     out = np.empty((batch, dim), np.float32)
     call = cycle([functools.partial(kern, w, bags, min(_CHUNKS, batch), out) for bags in batches])
-    if serial:
-        return call
-
-    def with_threads():
-        with numba_threads(threads):
-            call()
-    return with_threads
+    return call if serial else on_threads(threads, call)
 
 
 def _parallel_heuristic(problem):
@@ -179,7 +174,7 @@ def _parallel_heuristic(problem):
 def _parallel_search(problem, quick, timer):
     """Time the serial and the parallel kernel at a few batch sizes; serial up to the last size
     before the parallel one wins."""
-    rows, dim, pooling, _, itemsize, threads = problem
+    _, dim, pooling, _, itemsize, threads = problem
     if threads == 1:
         return _parallel_heuristic(problem)
     table = make_table(problem)
@@ -194,11 +189,10 @@ def _parallel_search(problem, quick, timer):
 
     sizes = (16, 128, 1024, 8192) if quick else (16, 64, 256, 1024, 4096, 16384)
     with numba_threads(threads):
-        first = crossover(timer, sizes, run)
+        last, first = crossover(timer, sizes, run)
     if first is None:
         return {"serial_max_work": NEVER}
-    below = [s for s in sizes if s < first]
-    return {"serial_max_work": below[-1] * pooling * dim if below else -1}
+    return {"serial_max_work": -1 if last is None else last * pooling * dim}
 
 
 PREFETCH = knob("embedding.forward.prefetch", doc="rows the forward prefetches ahead, and into which cache",
@@ -215,28 +209,24 @@ WIDEN = knob("embedding.bf16.widen.forward", doc="how the forward widens bf16 ro
 
 # ----------------------------------------------------------------------------- op
 
-_KERNELS: dict = {}
+_KERNELS: dict = {}  # table key -> (token, choices): one entry per table shape and thread count
 
 
 def _kernels(rows, dim, bf16, threads, nnz, nbags):
     """(serial_max_work, serial kernel, parallel kernel) of a table at a thread count: the knobs'
-    choices, memoised per table and per setting they depend on (as gemm.blocks_for), since the
-    DLRM calls once per table per step."""
-    key = (rows, dim, bf16, threads, choice_token(), tunedb.generation())
+    choices, memoised per table and thread count and made again when a setting they depend on
+    changes (choice_token(), tunedb.generation(), as gemm.blocks_for): the DLRM calls once per
+    table per step."""
+    token = (choice_token(), tunedb.generation())
+    key = (rows, dim, bf16, threads)
     got = _KERNELS.get(key)
-    if got is None:
-        if len(_KERNELS) > 4096:
-            _KERNELS.clear()
+    if got is None or got[0] != token:
         problem = call_problem(rows, dim, nnz, nbags, 2 if bf16 else 4, threads)
         prefetch, widen = PREFETCH.choose(problem), WIDEN.choose(problem)
-        got = _KERNELS[key] = (PARALLEL.choose(problem)["serial_max_work"],
-                               get_kernel(_spec(dim, bf16, True, prefetch, widen)),
-                               get_kernel(_spec(dim, bf16, False, prefetch, widen)))
-    return got
-
-
-def _serial(work, serial_max_work) -> bool:
-    return work <= serial_max_work
+        got = _KERNELS[key] = (token, (PARALLEL.choose(problem)["serial_max_work"],
+                                       get_kernel(_spec(dim, bf16, True, prefetch, widen)),
+                                       get_kernel(_spec(dim, bf16, False, prefetch, widen))))
+    return got[1]
 
 
 def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_weights=None,
@@ -251,7 +241,7 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
         dest = float_array("out", out, shape=(nbags, D), writeable=True)
     nnz = bags[0].shape[0]
     serial_max_work, serial, parallel = _kernels(R, D, bf16, num_threads(), nnz, nbags)
-    kern = serial if _serial(nnz * D, serial_max_work) else parallel
+    kern = serial if nnz * D <= serial_max_work else parallel
     code, pos, val = kern(w, bags, min(_CHUNKS, nbags), dest)
     if code:  # found before anything was written
         raise_bag_error(code, pos, val, "weight", R, nnz)

@@ -29,6 +29,7 @@ from ._knobs import (
     draw_batches,
     make_table,
     numba_threads,
+    on_threads,
     problems,
     shape_class,
 )
@@ -225,13 +226,7 @@ def _timed(problem, prefetch, widen):
     kern = get_kernel(_spec(dim, itemsize == 2, nparts > 1, prefetch, widen))
     work = np.empty(nnz * nparts, np.int64) if nparts > 1 else _NO_SCRATCH
     call = cycle([functools.partial(kern, bags, dout, _LR, target, work, nparts) for bags in batches])
-    if nparts == 1:
-        return call
-
-    def with_threads():
-        with numba_threads(threads):
-            call()
-    return with_threads
+    return call if nparts == 1 else on_threads(threads, call)
 
 
 def _prefetch_candidates(problem, quick):
@@ -258,7 +253,7 @@ def _parallel_search(problem, quick, timer):
 
     sizes = (64, 512, 4096) if quick else (16, 64, 256, 1024, 4096, 16384)
     with numba_threads(threads):
-        first = crossover(timer, sizes, run)
+        _, first = crossover(timer, sizes, run)
     return {"min_work": NEVER if first is None else first * pooling * dim, "min_table": 0}
 
 
@@ -278,22 +273,21 @@ WIDEN = knob("embedding.bf16.widen.sgd", doc="how the Split-SGD joins and splits
 
 # ----------------------------------------------------------------------------- op
 
-_KERNELS: dict = {}
+_KERNELS: dict = {}  # as forward._KERNELS
 
 
 def _kernels(rows, dim, bf16, threads, nnz, nbags):
     """(parallel choice, serial kernel, parallel kernel) of a table at a thread count, memoised as
     forward._kernels."""
-    key = (rows, dim, bf16, threads, choice_token(), tunedb.generation())
+    token = (choice_token(), tunedb.generation())
+    key = (rows, dim, bf16, threads)
     got = _KERNELS.get(key)
-    if got is None:
-        if len(_KERNELS) > 4096:
-            _KERNELS.clear()
+    if got is None or got[0] != token:
         problem = call_problem(rows, dim, nnz, nbags, 2 if bf16 else 4, threads)
         prefetch, widen = PREFETCH.choose(problem), WIDEN.choose(problem)
-        got = _KERNELS[key] = (PARALLEL.choose(problem), get_kernel(_spec(dim, bf16, False, prefetch, widen)),
-                               get_kernel(_spec(dim, bf16, True, prefetch, widen)))
-    return got
+        got = _KERNELS[key] = (token, (PARALLEL.choose(problem), get_kernel(_spec(dim, bf16, False, prefetch, widen)),
+                                       get_kernel(_spec(dim, bf16, True, prefetch, widen))))
+    return got[1]
 
 
 def embedding_bag_sgd_(weight, indices, offsets, dout, lr, *, mode="sum", per_sample_weights=None,
