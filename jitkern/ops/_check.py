@@ -73,13 +73,16 @@ def _largest(dtype) -> float:
     return float(np.finfo(dtype).max)
 
 
+_F32_MAX = _largest(F32)
+
+
 def finite(name, v, *, dtype=F32, minimum=None, positive=False) -> float:
     """v as a float that is finite in `dtype` (the kernels apply it in float32), and >= minimum
     (or > 0 if positive) when given."""
-    x = real(name, v)
+    x = v if type(v) is float else real(name, v)
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x}")
-    if dtype is not None and abs(x) > _largest(dtype):
+    if dtype is not None and abs(x) > (_F32_MAX if dtype is F32 else _largest(dtype)):
         raise ValueError(f"{name} = {x:g} overflows {np.dtype(dtype)} (max {_largest(dtype):g}), "
                          "the precision it is applied in")
     if positive and not x > 0:

@@ -213,7 +213,8 @@ def _parts(nnz: int, dim: int, table_bytes: int, threads: int, parallel: dict) -
 
 
 def _target(table):
-    return (table.hi, table.lo) if not isinstance(table, np.ndarray) else (table, _NO_LO)
+    """The kernels' (table, lo) of an fp32 table or a SplitBF16Table."""
+    return (table, _NO_LO) if isinstance(table, np.ndarray) else (table.hi, table.lo)
 
 
 def _timed(problem, prefetch, widen):
@@ -238,7 +239,7 @@ def _prefetch_candidates(problem, quick):
 def _parallel_search(problem, quick, timer):
     """Time the serial update and the one in `threads` ownership parts at a few batch sizes, on the
     problem's table; parallel from the first size at which it wins (the table size is the class's)."""
-    rows, dim, pooling, _, itemsize, threads = problem
+    _, dim, pooling, _, itemsize, threads = problem
     if threads == 1:  # nothing to time: _parts gives one part
         return PARALLEL.heuristic(problem)
     target = _target(make_table(problem))
