@@ -119,7 +119,7 @@ def test_kernel_cache_stamp_covers_every_kernel_source(tmp_path):
     # numba stamps a cached function with its own file only; jitkern's kernels inline helpers from
     # other modules, so their stamp hashes all of ops/ and codegen/ (and the function's own file)
     from jitkern.codegen import cache
-    from jitkern.ops import embedding_update
+    from jitkern.ops.embedding import grouping
 
     for sub, name in (("ops", "a.py"), ("codegen", "b.py"), ("bench", "c.py")):
         (tmp_path / sub).mkdir()
@@ -134,9 +134,9 @@ def test_kernel_cache_stamp_covers_every_kernel_source(tmp_path):
     assert cache.source_stamp(tmp_path, str(own)) != stamp      # the function's own file changed
     cache._kernel_sources.cache_clear()
     # jitkern's functions get these locators; others keep numba's
-    locator = embedding_update._link_rows._cache._impl._locator
+    locator = grouping.link_rows._cache._impl._locator
     assert type(locator).__name__.startswith("Jitkern")
-    assert locator.get_source_stamp() == cache.source_stamp(cache.PACKAGE, embedding_update.__file__)
+    assert locator.get_source_stamp() == cache.source_stamp(cache.PACKAGE, grouping.__file__)
 
 
 _TILE = tile_code(4, 8, 4)  # a 4 x 8 tile of <4 x float> vectors: valid on every CPU

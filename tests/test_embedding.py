@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from jitkern.codegen.prefetch import prefetch, prefetch_l2, prefetch_write
 from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_backward, embedding_bag_forward
 from jitkern.ops import embedding_bag_sgd_, reference
-from jitkern.ops import embedding, embedding_sgd, embedding_update
-from jitkern.ops.embedding import SPECIALISED_D, empty_table
+from jitkern.ops.embedding import SPECIALISED_D, adagrad, empty_table, forward, grouping, sgd
 
 EPS32 = 2.0 ** -23
 GENERIC_D = [d for d in range(1, 301) if d not in SPECIALISED_D]
@@ -46,12 +45,14 @@ def _force_path(mp, path):
     hashed Adagrad and the serial SGD; general: the parallel forward, the radix-sorted Adagrad and
     SGD in 2 ownership parts; hashed-parallel: the parallel forward, hashed Adagrad applied in 3
     position ranges and SGD in 3 ownership parts."""
-    mp.setattr(embedding, "_serial", lambda work, dim: path == "fast")
-    mp.setattr(embedding_sgd, "_parts", lambda nnz, dim, table_bytes: {"fast": 1, "general": 2, "hashed-parallel": 3}[path])
+    kernels = forward._kernels  # (serial_max_work, serial, parallel): always or never serial
+    mp.setattr(forward, "_kernels", lambda *a: (-1 if path != "fast" else 1 << 62,) + kernels(*a)[1:])
+    parts = {"fast": 1, "general": 2, "hashed-parallel": 3}[path]
+    mp.setattr(sgd, "_parts", lambda nnz, dim, table_bytes, threads, parallel: parts)
     update = {"fast": "hashed", "general": "sorted", "hashed-parallel": "hashed-parallel"}[path]
-    mp.setattr(embedding_update, "_update_path", lambda nnz, num_rows, threads, repeats=0.0: update)
+    mp.setattr(adagrad, "_update_path", lambda nnz, num_rows, threads, repeats, min_nnz: update)
     if path == "hashed-parallel":
-        mp.setattr(embedding_update, "_num_threads", lambda: 3)
+        mp.setattr(adagrad, "num_threads", lambda: 3)
 
 
 @pytest.fixture(params=PATHS)
@@ -216,12 +217,13 @@ def test_parallel_update_is_deterministic_and_thread_count_independent(path):
         np.testing.assert_array_equal(s, results[0][1])
 
 
-def test_sgd_threads_only_for_tables_beyond_the_caches(monkeypatch):
+def test_sgd_threads_only_for_tables_beyond_the_caches():
     """A second thread pays where rows come from DRAM; small tables and batches stay serial."""
-    monkeypatch.setattr(embedding_sgd, "_num_threads", lambda: 4)
-    assert embedding_sgd._parts(40960, 64, 1 << 30) == 4
-    assert embedding_sgd._parts(40960, 64, 1 << 20) == 1
-    assert embedding_sgd._parts(100, 64, 1 << 30) == 1
+    parallel = sgd.PARALLEL.heuristic((1 << 22, 64, 20, 2048, 4, 4))
+    assert sgd._parts(40960, 64, 1 << 30, 4, parallel) == 4
+    assert sgd._parts(40960, 64, 1 << 20, 4, parallel) == 1
+    assert sgd._parts(100, 64, 1 << 30, 4, parallel) == 1
+    assert sgd._parts(40960, 64, 1 << 30, 1, parallel) == 1
 
 
 def test_empty_bags_and_batches(path):
@@ -400,9 +402,11 @@ def test_skewed_batches_take_the_sorted_update():
     uniform = rng.integers(0, rows, nnz)
     skewed = np.where(rng.random(nnz) < 0.5, rng.integers(0, 50, nnz), uniform)  # half the entries on 50 rows
     scratch = np.empty(4096, np.int64)
-    share_u = embedding_update._sample_repeats(uniform, scratch)
-    share_s = embedding_update._sample_repeats(skewed.astype(np.int32), scratch)
+    share_u = grouping.sample_repeats(uniform, scratch)
+    share_s = grouping.sample_repeats(skewed.astype(np.int32), scratch)
     assert share_u < 0.01 and share_s > 0.4
-    assert embedding_update._update_path(nnz, rows, 1, share_u) == "hashed"
-    assert embedding_update._update_path(nnz, rows, 1, share_s) == "sorted"
-    assert embedding_update._update_path(100, rows, 1, 1.0) == "hashed"  # small batches: never worth sorting
+    min_nnz = adagrad.PARALLEL_MIN_NNZ
+    assert adagrad._update_path(nnz, rows, 1, share_u, min_nnz) == "hashed"
+    assert adagrad._update_path(nnz, rows, 1, share_s, min_nnz) == "sorted"
+    assert adagrad._update_path(100, rows, 1, 1.0, min_nnz) == "hashed"  # small batches: never worth sorting
+    assert adagrad._update_path(nnz, rows, 2, share_u, min_nnz) == "hashed-parallel"

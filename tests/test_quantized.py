@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from jitkern.codegen import knobs, tunedb
 from jitkern.ops import QuantizedTable, embedding_bag_quantized_forward, quantize_rowwise, reference
-from jitkern.ops import quantized as Q
-from jitkern.ops.embedding import SPECIALISED_D, _prefetch_distance
+from jitkern.ops.embedding import quantized as Q
+from jitkern.ops.embedding._rows import SPECIALISED_D, prefetch_distance
 
 EPS32 = 2.0 ** -23
 GENERIC_D = [d for d in range(1, 150) if d not in SPECIALISED_D]
@@ -386,7 +386,7 @@ def test_prefetch_knob_declaration_and_tuned_entry(tmp_path, monkeypatch):
     k = knobs.get("embedding.quantized.prefetch")
     assert k is Q.PREFETCH
     for dim, bits in ((64, 8), (128, 4), (300, 8)):
-        assert k.heuristic((10**6, dim, bits)) == {"pf": _prefetch_distance(Q.row_bytes(dim, bits))}
+        assert k.heuristic((10**6, dim, bits)) == {"pf": prefetch_distance(Q.row_bytes(dim, bits))}
     work = knobs.Workload(tables=((1000, 16, 20, 64, 1), (1000, 16, 20, 64, 0.5), (1000, 16, 20, 64, 4)))
     assert list(k.problems(work)) == [(1000, 16, 8), (1000, 16, 4)]
     assert k.shape_class((1000, 16, 8)) == "8bit1024x32" and k.shape_class((1000, 16, 4)) == "4bit1024x16"

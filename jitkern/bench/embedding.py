@@ -19,7 +19,7 @@ import argparse
 import numpy as np
 
 from .. import ops
-from ..ops.optim import SplitBF16Table
+from ..ops import SplitBF16Table
 from .common import copy_bandwidth_gbs, do_bench, print_table, set_threads, torch_or_none
 
 LR = 0.01
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
 def _quantized_table(rng, num_rows, dim, bits):
     """A packed table of random values with valid per-row scales and biases (no fp32 table first:
     one of 1e7 x 128 floats would take 5 GB)."""
-    from ..ops.quantized import QuantizedTable, q_bytes, quantize_rowwise, row_bytes
+    from ..ops.embedding.quantized import QuantizedTable, q_bytes, quantize_rowwise, row_bytes
     data = ops.empty_table(num_rows, row_bytes(dim, bits), np.uint8)
     step = 1 << 20
     block = quantize_rowwise(rng.standard_normal((step, dim), dtype=np.float32), bits).data

@@ -1,8 +1,8 @@
 """numba's on-disk cache, made safe and effective for kernels built from helpers in several modules.
 
 - Stale code: numba stamps a cached function with its own source file only, so a kernel in
-  ops/embedding_update.py that inlines `_prefetch_row` from ops/embedding.py kept its old machine
-  code when only embedding.py changed. For jitkern's functions the stamp is the hash of every
+  ops/embedding/adagrad.py that inlines `prefetch_row` from ops/embedding/_rows.py would keep its
+  old machine code when only _rows.py changed. For jitkern's functions the stamp is the hash of every
   source file kernels draw code from (ops/ and codegen/) plus the function's own file: editing
   any of them recompiles what could depend on it (more compiling while jitkern itself is being
   edited, none for an installed copy). `install()` puts these locators first (idempotent).

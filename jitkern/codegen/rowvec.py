@@ -3,7 +3,9 @@
 With D a compile-time constant, the accumulator lives in a stack array of D floats that LLVM
 promotes to vector registers, and each row is added by one <D x float> operation (a heap
 array would be kept in memory: LLVM cannot prove it does not alias the table). Rows may be
-float32 or bf16 bits (uint16, shifted into the high half on load).
+float32 or bf16 bits (uint16, moved into the high half on load by a widening scheme, a
+compile-time constant: SHUFFLE interleaves the bits with zeros, SHIFT zero-extends and shifts;
+the same bits either way, the faster depends on the CPU's shuffle and extend units).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 _F32 = ir.FloatType()
+SHUFFLE, SHIFT = 0, 1                      # bf16 widening schemes
+WIDEN_SCHEMES = {"shuffle": SHUFFLE, "shift": SHIFT}
 
 
 @intrinsic
@@ -44,16 +48,43 @@ def _row_ptr(context, builder, aryty, ary, rowty, row):
     return cgutils.pointer_add(builder, a.data, builder.mul(context.cast(builder, row, rowty, types.intp), stride0))
 
 
-def _load_row(builder, ptr, dtype, n):
-    """<n x float> from a float32 row, or from a uint16 row of bf16 bits (shifted into the high half)."""
+def _load_row(builder, ptr, dtype, n, scheme=SHUFFLE):
+    """<n x float> from a float32 row, or from a uint16 row of bf16 bits (moved into the high half)."""
     if dtype == types.uint16:
         raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), n).as_pointer()), align=2)
-        lanes = ir.VectorType(ir.IntType(32), 2 * n)  # bf16 m -> 16-bit lane 2m + 1, lane 2m zero
-        zero = ir.Constant(ir.VectorType(ir.IntType(16), n), [0] * n)
-        return builder.bitcast(builder.shuffle_vector(zero, raw, ir.Constant(lanes, [k // 2 + (n if k % 2 else 0)
-                                                                                     for k in range(2 * n)])),
-                               ir.VectorType(_F32, n))
+        return builder.bitcast(_join_halves(builder, ir.Constant(ir.VectorType(ir.IntType(16), n), [0] * n), raw,
+                                            n, scheme), ir.VectorType(_F32, n))
     return builder.load(builder.bitcast(ptr, ir.VectorType(_F32, n).as_pointer()), align=4)
+
+
+def _join_halves(builder, lo, hi, n, scheme):
+    """<n x i32> (hi << 16) | lo from two <n x i16> vectors."""
+    if scheme == SHIFT:
+        i32v = ir.VectorType(ir.IntType(32), n)
+        high = builder.shl(builder.zext(hi, i32v), ir.Constant(i32v, [16] * n))
+        return builder.or_(high, builder.zext(lo, i32v))
+    lanes = ir.VectorType(ir.IntType(32), 2 * n)  # element m: 16-bit lanes 2m (lo) and 2m + 1 (hi)
+    both = builder.shuffle_vector(lo, hi, ir.Constant(lanes, [k // 2 + (n if k % 2 else 0) for k in range(2 * n)]))
+    return builder.bitcast(both, ir.VectorType(ir.IntType(32), n))
+
+
+def _split_halves(builder, bits, n, scheme):
+    """(hi, lo) <n x i16> halves of <n x i32> bits."""
+    i16v = ir.VectorType(ir.IntType(16), n)
+    if scheme == SHIFT:
+        i32v = ir.VectorType(ir.IntType(32), n)
+        return builder.trunc(builder.lshr(bits, ir.Constant(i32v, [16] * n)), i16v), builder.trunc(bits, i16v)
+    lanes = builder.bitcast(bits, ir.VectorType(ir.IntType(16), 2 * n))
+    halves = ir.VectorType(ir.IntType(32), n)
+    return (builder.shuffle_vector(lanes, lanes, ir.Constant(halves, [2 * k + 1 for k in range(n)])),
+            builder.shuffle_vector(lanes, lanes, ir.Constant(halves, [2 * k for k in range(n)])))
+
+
+def _scheme(widen):
+    """The widening scheme of a compile-time `widen` argument, or None if it is not one."""
+    if isinstance(widen, types.IntegerLiteral) and widen.literal_value in WIDEN_SCHEMES.values():
+        return widen.literal_value
+    return None
 
 
 def _splat(context, builder, value, valty, n):
@@ -66,68 +97,65 @@ def _splat(context, builder, value, valty, n):
 
 def _row_op(accumulate):
     """dst[i, :n] (+)= scale * src[j, :n] as whole <n x float> operations (plain IEEE mul and add)."""
-    def impl(typingctx, dst, i, src, j, scale, n):
+    def impl(typingctx, dst, i, src, j, scale, n, widen):
         if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,)) and _is_table(src)
-                and isinstance(scale, (types.Float, types.Integer))):
+                and isinstance(scale, (types.Float, types.Integer)) and _scheme(widen) is not None):
             return None
-        size = n.literal_value
+        size, scheme = n.literal_value, _scheme(widen)
 
         def codegen(context, builder, sig, args):
             if size == 0:  # the generic kernel's never-taken branch
                 return context.get_dummy_value()
-            dsty, ity, srcty, jty, sty, _ = sig.args
+            dsty, ity, srcty, jty, sty = sig.args[:5]
             dptr = builder.bitcast(_row_ptr(context, builder, dsty, args[0], ity, args[1]),
                                    ir.VectorType(_F32, size).as_pointer())
             val = builder.fmul(_load_row(builder, _row_ptr(context, builder, srcty, args[2], jty, args[3]),
-                                         srcty.dtype, size), _splat(context, builder, args[4], sty, size))
+                                         srcty.dtype, size, scheme), _splat(context, builder, args[4], sty, size))
             if accumulate:
                 val = builder.fadd(builder.load(dptr, align=4), val)
             builder.store(val, dptr, align=4)
             return context.get_dummy_value()
-        return types.none(dst, i, src, j, scale, n), codegen
+        return types.none(dst, i, src, j, scale, n, widen), codegen
     return impl
 
 
 row_axpy = intrinsic(_row_op(accumulate=True))
-row_axpy.__doc__ = "dst[i, :n] += scale * src[j, :n] (src float32 or bf16 bits), n a compile-time constant."
+row_axpy.__doc__ = """dst[i, :n] += scale * src[j, :n] (src float32, or bf16 bits widened by scheme `widen`); n and
+widen compile-time constants."""
 row_set = intrinsic(_row_op(accumulate=False))
-row_set.__doc__ = "dst[i, :n] = scale * src[j, :n] (src float32 or bf16 bits), n a compile-time constant."
+row_set.__doc__ = """dst[i, :n] = scale * src[j, :n] (src float32, or bf16 bits widened by scheme `widen`); n and
+widen compile-time constants."""
 
 
 @intrinsic
-def row_split_axpy(typingctx, hi, lo, i, src, j, scale, n):
+def row_split_axpy(typingctx, hi, lo, i, src, j, scale, n, widen):
     """BF16 Split-SGD on one row: w = the float32 whose halves are hi[i, :n] and lo[i, :n];
     w += scale * src[j, :n] (plain IEEE mul and add); hi[i], lo[i] = w's halves again. All as
-    <n x ...> vector operations, n a compile-time constant.
-
-    The halves are joined and split by interleaving shuffles (float m is 16-bit lanes 2m, its low
-    half, and 2m + 1), not by widening shifts and truncations: on Zen 4 (vpermt2w against vpmovdw)
-    that took the update at D=128 on rows from DRAM from 3.8 to ~2.5 ms."""
+    <n x ...> vector operations; n and the scheme joining and splitting the halves (`widen`)
+    compile-time constants."""
     if not (isinstance(n, types.IntegerLiteral) and _is_table(hi, (types.uint16,)) and _is_table(lo, (types.uint16,))
-            and _is_table(src, (types.float32,)) and isinstance(scale, (types.Float, types.Integer))):
+            and _is_table(src, (types.float32,)) and isinstance(scale, (types.Float, types.Integer))
+            and _scheme(widen) is not None):
         return None
-    size = n.literal_value
+    size, scheme = n.literal_value, _scheme(widen)
 
     def codegen(context, builder, sig, args):
         if size == 0:  # the generic kernel's never-taken branch
             return context.get_dummy_value()
-        hity, loty, ity, srcty, jty, sty, _ = sig.args
+        hity, loty, ity, srcty, jty, sty = sig.args[:6]
         i16v = ir.VectorType(ir.IntType(16), size)
         hptr = builder.bitcast(_row_ptr(context, builder, hity, args[0], ity, args[2]), i16v.as_pointer())
         lptr = builder.bitcast(_row_ptr(context, builder, loty, args[1], ity, args[2]), i16v.as_pointer())
-        lanes = ir.VectorType(ir.IntType(32), 2 * size)
-        joined = builder.shuffle_vector(builder.load(lptr, align=2), builder.load(hptr, align=2),
-                                        ir.Constant(lanes, [k // 2 + (size if k % 2 else 0) for k in range(2 * size)]))
+        joined = _join_halves(builder, builder.load(lptr, align=2), builder.load(hptr, align=2), size, scheme)
         step = builder.fmul(_load_row(builder, _row_ptr(context, builder, srcty, args[3], jty, args[4]), types.float32,
                                       size), _splat(context, builder, args[5], sty, size))
         out = builder.bitcast(builder.fadd(builder.bitcast(joined, ir.VectorType(_F32, size)), step),
-                              ir.VectorType(ir.IntType(16), 2 * size))
-        halves = ir.VectorType(ir.IntType(32), size)
-        builder.store(builder.shuffle_vector(out, out, ir.Constant(halves, [2 * k + 1 for k in range(size)])), hptr,
-                      align=2)
-        builder.store(builder.shuffle_vector(out, out, ir.Constant(halves, [2 * k for k in range(size)])), lptr, align=2)
+                              ir.VectorType(ir.IntType(32), size))
+        new_hi, new_lo = _split_halves(builder, out, size, scheme)
+        builder.store(new_hi, hptr, align=2)
+        builder.store(new_lo, lptr, align=2)
         return context.get_dummy_value()
-    return types.none(hi, lo, i, src, j, scale, n), codegen
+    return types.none(hi, lo, i, src, j, scale, n, widen), codegen
 
 
 @intrinsic

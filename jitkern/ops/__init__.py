@@ -1,7 +1,12 @@
 """Public kernels: checked wrappers over generated code. References live in ops.reference."""
-from .embedding import embedding_bag_forward, empty_table
-from .embedding_sgd import embedding_bag_sgd_
-from .embedding_update import embedding_bag_adagrad_, embedding_bag_backward
+from .embedding import (
+    SplitBF16Table,
+    embedding_bag_adagrad_,
+    embedding_bag_backward,
+    embedding_bag_forward,
+    embedding_bag_sgd_,
+    empty_table,
+)
 from .gemm import batch_reduce_gemm, gemm, linear_backward, linear_forward
 from .interaction import (
     interaction_cat_backward,
@@ -10,8 +15,8 @@ from .interaction import (
     interaction_dot_forward,
 )
 from .loss import sigmoid_bce_backward, sigmoid_bce_forward
-from .optim import SplitBF16Table, sgd_
-from .quantized import QuantizedTable, embedding_bag_quantized_forward, quantize_rowwise
+from .optim import sgd_
+from .embedding.quantized import QuantizedTable, embedding_bag_quantized_forward, quantize_rowwise
 
 __all__ = [
     "batch_reduce_gemm", "embedding_bag_adagrad_", "embedding_bag_backward", "embedding_bag_forward",

@@ -6,6 +6,7 @@ infinite as float32).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -56,6 +57,8 @@ def index_array(name, a):
 
 def real(name, v) -> float:
     """v as a Python float, or a TypeError naming `name`."""
+    if type(v) is float:  # the common case, checked per call by the ops
+        return v
     if isinstance(v, (bool, np.bool_)) or isinstance(v, (str, bytes)):
         raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
     try:
@@ -64,14 +67,23 @@ def real(name, v) -> float:
         raise TypeError(f"{name} must be a real number, got {type(v).__name__}") from None
 
 
+@functools.lru_cache(maxsize=None)
+def _largest(dtype) -> float:
+    """The largest finite value of a float dtype (np.finfo costs ~0.5 us a call; ops check per call)."""
+    return float(np.finfo(dtype).max)
+
+
+_F32_MAX = _largest(F32)
+
+
 def finite(name, v, *, dtype=F32, minimum=None, positive=False) -> float:
     """v as a float that is finite in `dtype` (the kernels apply it in float32), and >= minimum
     (or > 0 if positive) when given."""
-    x = real(name, v)
+    x = v if type(v) is float else real(name, v)
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x}")
-    if dtype is not None and abs(x) > float(np.finfo(dtype).max):
-        raise ValueError(f"{name} = {x:g} overflows {np.dtype(dtype)} (max {float(np.finfo(dtype).max):g}), "
+    if dtype is not None and abs(x) > (_F32_MAX if dtype is F32 else _largest(dtype)):
+        raise ValueError(f"{name} = {x:g} overflows {np.dtype(dtype)} (max {_largest(dtype):g}), "
                          "the precision it is applied in")
     if positive and not x > 0:
         raise ValueError(f"{name} must be > 0, got {x}")

@@ -231,7 +231,7 @@ def sgd_(param, grad, lr):
 def quantize_rowwise(weight, bits):
     """FBGEMM's row-wise quantization (torch's embedding_bag_{byte,4bit}_prepack) in float32 NumPy ops
     -> QuantizedTable: per row the values, then scale and bias (float32 for 8-bit, float16 for 4-bit)."""
-    from .quantized import QuantizedTable
+    from .embedding.quantized import QuantizedTable
     w = np.asarray(weight, np.float32)
     lo, hi = w.min(axis=1), w.max(axis=1)
     if bits == 8:

@@ -23,14 +23,15 @@ import functools
 import numpy as np
 from numba import prange
 
-from ..codegen import KernelSpec, get_kernel, jit, kernel_factory, tunedb
-from ..codegen.knobs import knob, pow2_class
-from ..codegen.prefetch import prefetch_l2
-from ..codegen.qrowvec import fma_f32, qrow_fma, qrow_store, row_scale_bias
-from ..codegen.rowvec import stack_f32
-from ._check import I64, choice, float_array, index_array, output
-from .embedding import (SERIAL_WORK, SPECIALISED_D, _bag_end, _check_bags, _num_threads, _prefetch_distance,
-                        _raise_bag_error, _validate_bags, empty_table)
+from ...codegen import KernelSpec, get_kernel, jit, kernel_factory, tunedb
+from ...codegen.knobs import knob, pow2_class
+from ...codegen.prefetch import prefetch_l2
+from ...codegen.qrowvec import fma_f32, qrow_fma, qrow_store, row_scale_bias
+from ...codegen.rowvec import stack_f32
+from .._check import I64, choice, float_array, index_array, output
+from ._rows import SPECIALISED_D, bag_end, empty_table, num_threads, prefetch_distance
+from ._validate import check_bags, raise_bag_error, validate_bags
+from .forward import SERIAL_WORK
 
 BITS = (8, 4)
 _MODES = ("sum", "mean")
@@ -245,10 +246,10 @@ def _pool_qbags(table, indices, offsets, psw, mean, last, out, b0, b1, DC, PF, B
     acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
     if b0 < b1:  # the first PF rows: the row loop prefetches PF ahead of itself only
         rb = _row_layout(D, BITS_)[1]
-        for j in range(offsets[b0], min(offsets[b0] + PF, _bag_end(offsets, b1 - 1, nbags, nnz, last))):
+        for j in range(offsets[b0], min(offsets[b0] + PF, bag_end(offsets, b1 - 1, nbags, nnz, last))):
             _prefetch_qrow(table, indices[j], rb)
     for b in range(b0, b1):
-        s, e = offsets[b], _bag_end(offsets, b, nbags, nnz, last)
+        s, e = offsets[b], bag_end(offsets, b, nbags, nnz, last)
         if psw.shape[0] > 0:  # two copies of the row loop, so the common unweighted one has no per-row test
             _pool_qbag(acc, table, indices, psw, s, e, nnz, PF, D, DC, BITS_, True)
         else:
@@ -275,7 +276,7 @@ def _forward_factory(spec):
     def forward(table, indices, offsets, psw, mean, last, nchunks, out):
         # table: (R, row bytes) uint8, indices: (nnz,), offsets: (B,)|(B+1,), psw: (nnz,)|(0,), out: (B, D)
         nbags = out.shape[0]
-        code, bad, value = _check_bags(indices, offsets, nbags, table.shape[0], last)
+        code, bad, value = check_bags((indices, offsets, psw, mean, last), nbags, table.shape[0])
         if code:
             return code, bad, value
         for c in prange(nchunks):
@@ -290,7 +291,7 @@ def _forward_factory(spec):
     @jit(fastmath=_STRICT)
     def forward_serial(table, indices, offsets, psw, mean, last, nchunks, out):
         # the same on the calling thread: starting a parallel region costs ~1.5 us
-        code, bad, value = _validate_bags(indices, offsets, out.shape[0], table.shape[0], last)
+        code, bad, value = validate_bags((indices, offsets, psw, mean, last), out.shape[0], table.shape[0])
         if code:
             return code, bad, value
         pool(table, indices, offsets, psw, mean, last, out)
@@ -333,7 +334,7 @@ def _runner(problem, params):
 
 PREFETCH = knob(
     "embedding.quantized.prefetch", doc="rows ahead the quantized bag forward prefetches (pf)",
-    heuristic=lambda p: {"pf": _prefetch_distance(row_bytes(p[1], p[2]))},
+    heuristic=lambda p: {"pf": prefetch_distance(row_bytes(p[1], p[2]))},
     shape_class=lambda p: f"{p[2]}bit{pow2_class(p[0], row_bytes(p[1], p[2]))}",
     problems=_problems, runner=_runner,
     candidates=lambda p, quick: [{"pf": d} for d in ((8, 16, 32, 64) if quick else (4, 8, 12, 16, 24, 32, 48, 64))])
@@ -362,7 +363,7 @@ def _forward_kernel(dclass, bits, pf, serial):
 def _serial(work: int) -> bool:
     """Whether the forward runs on the calling thread: one thread, or too little work to pay for
     starting others."""
-    return work <= SERIAL_WORK or _num_threads() == 1
+    return work <= SERIAL_WORK or num_threads() == 1
 
 
 def embedding_bag_quantized_forward(table, indices, offsets, *, mode="sum", per_sample_weights=None,
@@ -388,5 +389,5 @@ def embedding_bag_quantized_forward(table, indices, offsets, *, mode="sum", per_
     kern = _forward_kernel(_d_class(D), table.bits, pf, _serial(nnz * D))
     code, pos, val = kern(table.data, idx, off, psw, mode == "mean", last, min(_CHUNKS, nbags), out)
     if code:
-        _raise_bag_error(code, pos, val, "table", R, nnz)
+        raise_bag_error(code, pos, val, "table", R, nnz)
     return out

@@ -1,0 +1,223 @@
+"""Row helpers every embedding kernel shares: table memory, per-thread scratch, and the njit
+row operations (pooled adds, prefetches, the update of one row by SGD, Split-SGD or Adagrad).
+
+Inside the kernels `D` is the row width and `DC` the same width as a compile-time constant
+(or 0: the generic runtime-D kernel, whose loops are plain); with DC set a row is one
+<DC x float> operation (codegen.rowvec). A batch of bags travels as one tuple,
+`bags = (indices, offsets, psw, mean, last)`: flat indices (nnz,), offsets (B,) or (B+1,)
+when `last` (include_last_offset), per-sample weights (nnz,) or empty, and the mean flag.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import threading
+
+import numba
+import numpy as np
+
+from ...codegen import jit
+from ...codegen.bf16 import as_float32, as_uint32, widen
+from ...codegen.prefetch import HINTS, prefetch_at
+from ...codegen.rowvec import SHUFFLE, row_axpy, row_set, row_split_axpy, row_sum_squares
+
+SPECIALISED_D = (16, 32, 64, 128)  # widths that get a compile-time-D kernel
+L2 = HINTS["l2"]                   # the updates' prefetch level: the line arrives shared, written in place
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: a row's slot is the top bits of row * this
+LO32 = (1 << 32) - 1
+NO_PSW = np.empty(0, np.float32)   # stand-ins for absent optional arrays (kernels never read them)
+NO_STATE = np.empty(0, np.float32)
+
+
+def prefetch_distance(row_bytes: int) -> int:
+    """Rows a gather prefetches ahead: far enough to cover a DRAM miss, near enough that wide rows do
+    not overflow the outstanding-miss buffers (the knobs' heuristic; tuning replaces it per CPU)."""
+    return 32 if row_bytes <= 256 else 16
+
+
+def d_class(d: int) -> int:
+    """The compile-time width for D, or 0 for the generic runtime-D kernel."""
+    return d if d in SPECIALISED_D else 0
+
+
+# ----------------------------------------------------------------------------- table memory
+
+_LINE = 64
+_HUGE_PAGE = 2 << 20
+_HUGE_MIN_BYTES = 16 << 20  # smaller tables mostly stay cached; not worth a private mapping
+
+
+def empty_table(rows: int, dim: int, dtype=np.float32) -> np.ndarray:
+    """An uninitialised C-contiguous (rows, dim) table starting on a 64-byte cache line (as torch's
+    tensors do; NumPy's start 16 bytes in), so rows of whole lines need one prefetch per line,
+    and on transparent huge pages where the OS offers them (Linux madvise): random row reads then
+    stop missing the TLB on every row."""
+    dtype = np.dtype(dtype)
+    nbytes = int(rows) * int(dim) * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    m = None
+    if advice is not None and nbytes >= _HUGE_MIN_BYTES:
+        try:  # private anonymous memory (shared mappings would be shmem, which THP leaves alone)
+            m = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            m.madvise(advice)
+        except (OSError, ValueError, AttributeError):
+            m = None
+    if m is None:
+        raw = np.empty(nbytes + _LINE, np.uint8)
+        start = -raw.ctypes.data % _LINE
+        return raw[start:start + nbytes].view(dtype).reshape(rows, dim)
+    raw = np.frombuffer(m, np.uint8)  # the array keeps the mapping alive
+    start = -raw.ctypes.data % _HUGE_PAGE  # 2 MiB aligned, so every whole huge page can be one
+    return raw[start:start + nbytes].view(dtype).reshape(rows, dim)
+
+
+# ----------------------------------------------------------------------------- scratch and threads
+
+_SCRATCH = threading.local()
+
+
+def scratch(n, per_entry):
+    """Per-thread, grow-only int64 scratch of >= per_entry * n words, whole (views cost ~1 us a call).
+
+    Fresh arrays of this size cost more than the work: glibc maps them anew on every call and
+    returns them on free, so each page faults again. Thread-local, so concurrent callers never
+    share it; kernels finish with it before the op returns (results handed out are copies)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    need = per_entry * n
+    if buf is None or buf.shape[0] < need:
+        buf = _SCRATCH.buf = np.empty(max(need, 2 * (0 if buf is None else buf.shape[0]), 1024), np.int64)
+    return buf
+
+
+def _first_num_threads() -> int:
+    """numba.get_num_threads(), which launches the threading layer; its C getter serves from then on."""
+    global _get_threads
+    from numba.np.ufunc import parallel
+    n = numba.get_num_threads()
+    _get_threads = getattr(parallel, "_get_num_threads", numba.get_num_threads)
+    return n
+
+
+_get_threads = _first_num_threads
+
+
+def num_threads() -> int:
+    """numba.get_num_threads() (this thread's setting), through the threading layer's C getter: the
+    public call costs ~0.65 us, 6% of a small forward."""
+    return _get_threads()
+
+
+# ----------------------------------------------------------------------------- njit row helpers
+
+
+@jit(inline="always")
+def bag_end(offsets, b, nbags, nnz, last):
+    return offsets[b + 1] if (last or b + 1 < nbags) else nnz
+
+
+@jit(inline="always")
+def entry_scale(bags, j, b, nbags):
+    """Entry j's weight in bag b's gradient: its per-sample weight, over the bag size for mean."""
+    indices, offsets, psw, mean, last = bags
+    sc = psw[j] if psw.shape[0] > 0 else np.float32(1.0)
+    if mean:
+        sc = sc * (np.float32(1.0) / np.float32(bag_end(offsets, b, nbags, indices.shape[0], last) - offsets[b]))
+    return sc
+
+
+@jit(inline="always")
+def add_row(dst, i, src, j, sc, D, DC, first, scheme):
+    """dst[i] = sc * src[j] if first else dst[i] + sc * src[j]; one vector op when DC (= D) is set.
+    src: float32, or bf16 bits widened by `scheme` (codegen.rowvec)."""
+    if DC:
+        if first:
+            row_set(dst, i, src, j, sc, DC, scheme)
+        else:
+            row_axpy(dst, i, src, j, sc, DC, scheme)
+    elif first:
+        for d in range(D):
+            dst[i, d] = widen(src[j, d]) * sc
+    else:
+        for d in range(D):
+            dst[i, d] += widen(src[j, d]) * sc
+
+
+@jit(inline="always")
+def madd_row(dst, i, src, j, sc, D, DC, first):
+    """add_row for a float32 src."""
+    add_row(dst, i, src, j, sc, D, DC, first, SHUFFLE)
+
+
+@jit(inline="always")
+def straddles(table, row_bytes):
+    """Whether a row can end in a cache line its 64-byte steps miss: unless the table starts on a
+    line and rows are whole lines (empty_table, torch's allocator), a row of 64 bytes spans two
+    lines. A loop-invariant flag, since a second prefetch of an already requested line is not free."""
+    return row_bytes % 64 != 0 or table.ctypes.data % 64 != 0
+
+
+@jit(inline="always")
+def prefetch_row(table, r, row_bytes, tail, locality):
+    """Prefetch every line of row r (one per 64 bytes, and the line of its last byte if `tail`) with
+    the compile-time `locality` (codegen.prefetch.HINTS)."""
+    for k in range(0, row_bytes, 64):
+        prefetch_at(table, r, k, locality)
+    if tail:
+        prefetch_at(table, r, row_bytes - 1, locality)
+
+
+@jit(inline="always")
+def sgd_row(table, r, g, a, lr, D, DC):
+    """table[r] -= lr * g[a], as w + (-lr * g): exactly w - lr * g."""
+    madd_row(table, r, g, a, -lr, D, DC, False)
+
+
+@jit(inline="always")
+def split_sgd_row(hi, lo, r, g, a, lr, D, DC, scheme):
+    """BF16 Split-SGD of row r: the fp32 weight the halves hi[r], lo[r] hold takes w - lr * g[a]."""
+    if DC:
+        row_split_axpy(hi, lo, r, g, a, -lr, DC, scheme)
+    else:
+        for d in range(D):
+            w = as_float32((np.uint32(hi[r, d]) << np.uint32(16)) | np.uint32(lo[r, d]))
+            bits = as_uint32(w - lr * g[a, d])
+            hi[r, d] = np.uint16(bits >> np.uint32(16))
+            lo[r, d] = np.uint16(bits & np.uint32(0xFFFF))
+
+
+@jit(inline="always")
+def sum_squares(x, a, D):
+    """sum(x[a, :D] ** 2) in float64, as 8 interleaved partial sums added pairwise at the end: one
+    strict-IEEE running sum would wait on every add. The order depends on D only, so every path
+    and thread count rounds alike."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    d = 0
+    while d + 8 <= D:
+        v0, v1, v2, v3 = np.float64(x[a, d]), np.float64(x[a, d + 1]), np.float64(x[a, d + 2]), np.float64(x[a, d + 3])
+        v4, v5, v6, v7 = np.float64(x[a, d + 4]), np.float64(x[a, d + 5]), np.float64(x[a, d + 6]), np.float64(x[a, d + 7])
+        s0 += v0 * v0
+        s1 += v1 * v1
+        s2 += v2 * v2
+        s3 += v3 * v3
+        s4 += v4 * v4
+        s5 += v5 * v5
+        s6 += v6 * v6
+        s7 += v7 * v7
+        d += 8
+    rest = 0.0
+    while d < D:
+        v = np.float64(x[a, d])
+        rest += v * v
+        d += 1
+    return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + rest
+
+
+@jit(inline="always")
+def adagrad_row(table, state, r, g, a, lr, eps, D, DC):
+    """Row-wise Adagrad of row r with its coalesced gradient g[a]: state[r] += mean(g**2), then
+    table[r] -= lr / (sqrt(state[r]) + eps) * g[a]."""
+    ss = row_sum_squares(g, a, DC) if DC else sum_squares(g, a, D)
+    s_new = np.float32(state[r] + ss / D)
+    state[r] = s_new
+    step = np.float32(lr / (math.sqrt(np.float64(s_new)) + eps))
+    madd_row(table, r, g, a, -step, D, DC, False)

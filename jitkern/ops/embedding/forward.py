@@ -1,0 +1,250 @@
+"""Embedding-bag forward: out[b] = the pooled (summed, weighted or mean) rows of bag b.
+
+Layouts follow torch.nn.functional.embedding_bag: weight (R, D) float32 (or a SplitBF16Table),
+flat indices (nnz,) int32/int64, offsets (B,) int64 bag starts (or (B+1,) with
+include_last_offset=True); bag b is indices[offsets[b]:offsets[b+1]], the last runs to nnz.
+
+Parallel over chunks of bags; for common widths D (SPECIALISED_D) the row loop is one
+<D x float> operation on a register-resident accumulator, other widths run a generic runtime-D
+kernel. Random row reads are latency-bound, so rows are prefetched some entries ahead. Knobs:
+the prefetch distance and hint, the work from which the forward goes parallel, and how bf16
+rows are widened.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import prange
+
+from ...codegen import KernelSpec, get_kernel, jit, kernel_factory, tunedb
+from ...codegen.knobs import knob
+from ...codegen.prefetch import HINTS
+from ...codegen.rowvec import WIDEN_SCHEMES, stack_f32
+from ...config import choice_token
+from .._check import float_array
+from ._knobs import (
+    NEVER,
+    call_problem,
+    crossover,
+    cycle,
+    draw_batches,
+    make_table,
+    numba_threads,
+    on_threads,
+    problems,
+    shape_class,
+)
+from ._rows import add_row, bag_end, d_class, madd_row, num_threads, prefetch_distance, prefetch_row, straddles
+from ._validate import check_bag_args, check_bags, check_table, raise_bag_error, validate_bags
+
+SERIAL_WORK = 1 << 14  # nnz * D up to which a call runs on the calling thread even with several threads
+WIDE_ROWS = 64         # wider rows run the parallel-compiled kernel even on one thread (see _parallel_heuristic)
+_CHUNKS = 64           # bag chunks of the parallel forward
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@functools.lru_cache(maxsize=None)
+def _pooler(DC, PF, LOC, SCHEME, ITEM):
+    """pool(weight, bags, out, b0, b1) for compile-time width DC (0: runtime D), prefetch distance PF
+    and locality LOC, bf16 widening scheme SCHEME and ITEM bytes per table element."""
+
+    @jit(inline="always")
+    def pool_bag(acc, weight, bags, s, e, D, weighted):
+        """acc[0] = sum of psw[j] * weight[indices[j]] over j in [s, e), prefetching PF entries ahead."""
+        indices, psw = bags[0], bags[2]
+        far = np.uint64(indices.shape[0] - 1)
+        tail = straddles(weight, D * ITEM)
+        for j in range(s, e):
+            u = np.uint64(j)  # validated and non-negative: unsigned indexing skips numba's wraparound code
+            prefetch_row(weight, indices[min(u + np.uint64(PF), far)], D * ITEM, tail, LOC)
+            add_row(acc, 0, weight, indices[u], psw[u] if weighted else np.float32(1.0), D, DC, j == s, SCHEME)
+
+    @jit(inline="always")
+    def pool(weight, bags, out, b0, b1):
+        """out[b] = the pooled rows of bag b, for the bags b0 <= b < b1 (one work unit of the forward)."""
+        indices, offsets, psw, mean, last = bags
+        nbags, nnz = out.shape[0], indices.shape[0]
+        D = DC if DC else out.shape[1]
+        acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
+        for b in range(b0, b1):
+            s, e = offsets[b], bag_end(offsets, b, nbags, nnz, last)
+            if psw.shape[0] > 0:  # two copies of the row loop, so the common unweighted one has no per-row test
+                pool_bag(acc, weight, bags, s, e, D, True)
+            else:
+                pool_bag(acc, weight, bags, s, e, D, False)
+            if e > s:
+                inv = np.float32(1.0) / np.float32(e - s) if mean else np.float32(1.0)
+                madd_row(out, b, acc, 0, inv, D, DC, True)
+            else:
+                for d in range(D):
+                    out[b, d] = 0.0
+    return pool
+
+
+def _parallel_kernel(pool):
+    @jit(parallel=True)
+    def forward(weight, bags, nchunks, out):
+        # weight: (R, D) float32 or bf16 bits uint16, out: (B, D) float32; contiguous chunks of
+        # bags, spread over the threads by prange (independent of the thread count)
+        nbags = out.shape[0]
+        code, bad, value = check_bags(bags, nbags, weight.shape[0])
+        if code:
+            return code, bad, value
+        for c in prange(nchunks):
+            pool(weight, bags, out, c * nbags // nchunks, (c + 1) * nbags // nchunks)
+        return 0, 0, 0
+    return forward
+
+
+def _serial_kernel(pool):
+    @jit()
+    def pool_all(weight, bags, out):
+        pool(weight, bags, out, 0, out.shape[0])
+
+    @jit()
+    def forward_serial(weight, bags, nchunks, out):
+        # the same on the calling thread: starting a parallel region costs more than a small call
+        code, bad, value = validate_bags(bags, out.shape[0], weight.shape[0])
+        if code:
+            return code, bad, value
+        pool_all(weight, bags, out)
+        return 0, 0, 0
+    return forward_serial
+
+
+@kernel_factory("embedding_bag_forward")
+def _forward_factory(spec):
+    pool = _pooler(spec["D"], spec["pf"], HINTS[spec["hint"]], WIDEN_SCHEMES[spec["widen"]],
+                   2 if spec["bf16"] else 4)  # bytes per table element: a constant, so prefetch loops unroll
+    return _serial_kernel(pool) if spec["serial"] else _parallel_kernel(pool)
+
+
+def _spec(dim, bf16, serial, prefetch, widen) -> KernelSpec:
+    dc = d_class(dim)
+    scheme = widen["scheme"] if bf16 and dc else "shuffle"  # only the vector rows of bf16 tables widen
+    return KernelSpec.make("embedding_bag_forward", D=dc, bf16=bf16, pf=int(prefetch["distance"]),
+                           hint=prefetch["hint"], widen=scheme, serial=serial)
+
+
+# ----------------------------------------------------------------------------- knobs
+
+
+def _prefetch_heuristic(problem):
+    """Far enough ahead to cover a DRAM miss, near enough that wide rows do not overflow the
+    outstanding-miss buffers; into L2, because an L1 prefetch holds one of the L1's few fill
+    buffers until its line arrives, and those cap the misses in flight."""
+    _, dim, _, _, itemsize, _ = problem
+    distance = prefetch_distance(dim * itemsize) if d_class(dim) else 16  # one generic kernel per dtype
+    return {"distance": distance, "hint": "l2"}
+
+
+def _prefetch_candidates(problem, quick):
+    h = _prefetch_heuristic(problem)
+    if quick:
+        d = h["distance"]
+        return [h, {"distance": d // 2, "hint": "l2"}, {"distance": d, "hint": "l1"}, {"distance": d, "hint": "nta"}]
+    return [{"distance": d, "hint": hint} for hint in HINTS for d in (8, 16, 24, 32, 48, 64)]
+
+
+def _timed(problem, prefetch, widen):
+    """The forward of the problem's batches with these choices, inputs built here (untimed)."""
+    _, dim, _, batch, itemsize, threads = problem
+    table = make_table(problem)
+    w = table.hi if itemsize == 2 else table
+    batches, _ = draw_batches(problem)
+    serial = batches[0][0].shape[0] * dim <= PARALLEL.choose(problem)["serial_max_work"]
+    kern = get_kernel(_spec(dim, itemsize == 2, serial, prefetch, widen))
+    out = np.empty((batch, dim), np.float32)
+    call = cycle([functools.partial(kern, w, bags, min(_CHUNKS, batch), out) for bags in batches])
+    return call if serial else on_threads(threads, call)
+
+
+def _parallel_heuristic(problem):
+    """Rows up to WIDE_ROWS wide: on the calling thread up to SERIAL_WORK (starting threads costs
+    more), or always with one thread. Wider rows take the parallel kernel even on one thread:
+    serially compiled, their gather is slower (numba marks a parallel body's arrays noalias)."""
+    _, dim, _, _, _, threads = problem
+    if dim > WIDE_ROWS:
+        return {"serial_max_work": -1}
+    return {"serial_max_work": NEVER if threads == 1 else SERIAL_WORK}
+
+
+def _parallel_search(problem, quick, timer):
+    """Time the serial and the parallel kernel at a few batch sizes; serial up to the last size
+    before the parallel one wins."""
+    _, dim, pooling, _, itemsize, threads = problem
+    if threads == 1:
+        return _parallel_heuristic(problem)
+    table = make_table(problem)
+    w = table.hi if itemsize == 2 else table
+    prefetch, widen = PREFETCH.choose(problem), WIDEN.choose(problem)
+    kernels = {serial: get_kernel(_spec(dim, itemsize == 2, serial, prefetch, widen)) for serial in (True, False)}
+
+    def run(nbags, parallel):
+        batches, _ = draw_batches(problem, nbags)
+        out = np.empty((nbags, dim), np.float32)
+        return cycle([functools.partial(kernels[not parallel], w, bags, min(_CHUNKS, nbags), out) for bags in batches])
+
+    sizes = (16, 128, 1024, 8192) if quick else (16, 64, 256, 1024, 4096, 16384)
+    with numba_threads(threads):
+        last, first = crossover(timer, sizes, run)
+    if first is None:
+        return {"serial_max_work": NEVER}
+    return {"serial_max_work": -1 if last is None else last * pooling * dim}
+
+
+PREFETCH = knob("embedding.forward.prefetch", doc="rows the forward prefetches ahead, and into which cache",
+                heuristic=_prefetch_heuristic, shape_class=shape_class, problems=problems,
+                candidates=_prefetch_candidates, runner=lambda p, params: _timed(p, params, WIDEN.choose(p)))
+PARALLEL = knob("embedding.parallel.forward", doc="work (nnz * D) up to which the forward runs on the calling thread",
+                heuristic=_parallel_heuristic, shape_class=shape_class, problems=problems, search=_parallel_search)
+WIDEN = knob("embedding.bf16.widen.forward", doc="how the forward widens bf16 rows to fp32 (codegen.rowvec)",
+             heuristic=lambda p: {"scheme": "shuffle"}, shape_class=shape_class,
+             problems=lambda w: problems(w, itemsizes=(2,)),
+             candidates=lambda p, quick: [{"scheme": s} for s in WIDEN_SCHEMES],
+             runner=lambda p, params: _timed(p, PREFETCH.choose(p), params))
+
+
+# ----------------------------------------------------------------------------- op
+
+_KERNELS: dict = {}  # table key -> (token, choices): one entry per table shape and thread count
+
+
+def _kernels(rows, dim, bf16, threads, nnz, nbags):
+    """(serial_max_work, serial kernel, parallel kernel) of a table at a thread count: the knobs'
+    choices, memoised per table and thread count and made again when a setting they depend on
+    changes (choice_token(), tunedb.generation(), as gemm.blocks_for): the DLRM calls once per
+    table per step."""
+    token = (choice_token(), tunedb.generation())
+    key = (rows, dim, bf16, threads)
+    got = _KERNELS.get(key)
+    if got is None or got[0] != token:
+        problem = call_problem(rows, dim, nnz, nbags, 2 if bf16 else 4, threads)
+        prefetch, widen = PREFETCH.choose(problem), WIDEN.choose(problem)
+        got = _KERNELS[key] = (token, (PARALLEL.choose(problem)["serial_max_work"],
+                                       get_kernel(_spec(dim, bf16, True, prefetch, widen)),
+                                       get_kernel(_spec(dim, bf16, False, prefetch, widen))))
+    return got[1]
+
+
+def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_weights=None,
+                          include_last_offset=False, out=None):
+    """Pooled rows per bag; weight: (R, D) float32 or SplitBF16Table, indices: (nnz,), offsets: (B,) -> (B, D)."""
+    w, bf16 = check_table(weight)
+    R, D = w.shape
+    bags, nbags = check_bag_args(indices, offsets, mode, per_sample_weights, include_last_offset)
+    if out is None:
+        dest = out = np.empty((nbags, D), np.float32)
+    else:  # a strided out (one table's slice of a (B, T, D) buffer, say) is pooled into a copy
+        dest = float_array("out", out, shape=(nbags, D), writeable=True)
+    nnz = bags[0].shape[0]
+    serial_max_work, serial, parallel = _kernels(R, D, bf16, num_threads(), nnz, nbags)
+    kern = serial if nnz * D <= serial_max_work else parallel
+    code, pos, val = kern(w, bags, min(_CHUNKS, nbags), dest)
+    if code:  # found before anything was written
+        raise_bag_error(code, pos, val, "weight", R, nnz)
+    if dest is not out:
+        np.copyto(out, dest)
+    return out

@@ -1,0 +1,162 @@
+"""The embedding knobs: heuristics are the choices the kernels made before they were knobs, every
+candidate computes what the default does (bit for bit), tuned DB entries reach the ops, and the
+tuner runs them for a workload.
+
+Compile cost: the candidates run at D=64 with one thread (the serial kernels the tuner test
+times as well), the parallel thresholds at a generic width whose kernels the property tests
+of test_embedding.py compile anyway.
+"""
+import numba
+import numpy as np
+import pytest
+
+from jitkern.codegen import knobs, tune, tunedb
+from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_forward, embedding_bag_sgd_, reference
+from jitkern.ops.embedding import _knobs, adagrad, forward, sgd
+
+ROWS, DIM, POOLING, BATCH = 5000, 64, 4, 256
+WORKLOAD = knobs.Workload(tables=((ROWS, DIM, POOLING, BATCH, 4),))
+
+
+@pytest.fixture
+def db(tmp_path, monkeypatch):
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("JITKERN_TUNE_DB", str(path))
+    monkeypatch.delenv("JITKERN_NO_TUNE", raising=False)
+    return path
+
+
+@pytest.fixture
+def one_thread():
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(before)
+
+
+def _batch(seed=0, rows=ROWS, dim=DIM, weighted=False):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, dim)).astype(np.float32)
+    idx = rng.integers(0, rows, POOLING * BATCH)
+    off = np.arange(BATCH, dtype=np.int64) * POOLING
+    dout = rng.standard_normal((BATCH, dim)).astype(np.float32)
+    psw = rng.standard_normal(len(idx)).astype(np.float32) if weighted else None
+    return w, idx, off, dout, psw
+
+
+def _run_ops(w, idx, off, dout, psw, bf16=False):
+    """forward, SGD, Adagrad (fp32) or forward, Split-SGD (bf16) results as uint32 bits."""
+    if bf16:
+        table = SplitBF16Table.from_float32(w)
+        fwd = embedding_bag_forward(table, idx, off, per_sample_weights=psw)
+        return [fwd.view(np.uint32), embedding_bag_sgd_(table, idx, off, dout, 0.1, per_sample_weights=psw)
+                .to_float32().view(np.uint32)]
+    state = np.ones(w.shape[0], np.float32)
+    return [embedding_bag_forward(w, idx, off, per_sample_weights=psw).view(np.uint32),
+            embedding_bag_sgd_(w.copy(), idx, off, dout, 0.1, per_sample_weights=psw).view(np.uint32),
+            embedding_bag_adagrad_(w.copy(), state, idx, off, dout, 0.1, per_sample_weights=psw).view(np.uint32),
+            state.view(np.uint32)]
+
+
+def test_heuristics_are_the_choices_before_knobs():
+    def p(dim, itemsize=4, threads=1):
+        return (ROWS, dim, POOLING, BATCH, itemsize, threads)
+    pf = forward.PREFETCH.heuristic
+    assert pf(p(16)) == pf(p(64)) == pf(p(128, 2)) == {"distance": 32, "hint": "l2"}  # rows up to 256 bytes
+    assert pf(p(128)) == pf(p(37)) == {"distance": 16, "hint": "l2"}  # wider rows; the generic kernel
+    par = forward.PARALLEL.heuristic
+    assert par(p(64, threads=2)) == {"serial_max_work": 1 << 14}
+    assert par(p(64))["serial_max_work"] >= 1 << 60  # one thread: always serial
+    assert par(p(128, threads=1)) == par(p(128, threads=2)) == {"serial_max_work": -1}  # wide rows
+    assert sgd.PREFETCH.heuristic(p(64)) == {"distance": 32}
+    assert sgd.PARALLEL.heuristic(p(64, threads=2)) == {"min_work": 1 << 16, "min_table": 16 << 20}
+    assert adagrad.PREFETCH.heuristic(p(64)) == {"distance": 32, "link": 32}
+    assert adagrad.PARALLEL.heuristic(p(64, threads=2)) == {"min_nnz": 8192}
+    assert forward.WIDEN.heuristic(p(64, 2)) == sgd.WIDEN.heuristic(p(64, 2)) == {"scheme": "shuffle"}
+    assert {k for k in knobs.registered() if k.startswith("embedding.")} == {
+        "embedding.forward.prefetch", "embedding.update.prefetch.sgd", "embedding.update.prefetch.adagrad",
+        "embedding.parallel.forward", "embedding.parallel.sgd", "embedding.parallel.adagrad",
+        "embedding.bf16.widen.forward", "embedding.bf16.widen.sgd", "embedding.quantized.prefetch"}
+
+
+@pytest.mark.parametrize("name, bf16", [("embedding.forward.prefetch", False), ("embedding.update.prefetch.sgd", False),
+                                        ("embedding.update.prefetch.adagrad", False),
+                                        ("embedding.bf16.widen.forward", True), ("embedding.bf16.widen.sgd", True)])
+def test_every_candidate_computes_the_default_results(name, bf16, db, one_thread):
+    knob = knobs.get(name)
+    problem = (ROWS, DIM, POOLING, BATCH, 2 if bf16 else 4, 1)
+    batches = [_batch(0), _batch(1, weighted=True)]
+    default = [_run_ops(*b, bf16=bf16) for b in batches]
+    w, idx, off, dout, psw = batches[1]  # against the reference too (the forward to rounding)
+    want = reference.embedding_bag_forward(reference.bf16_to_float32(reference.bf16_split(w)[0]) if bf16 else w,
+                                           idx, off, per_sample_weights=psw)
+    np.testing.assert_allclose(default[1][0].view(np.float32), want, rtol=1e-5, atol=1e-4)
+    ref_w = w.copy()
+    reference.embedding_bag_sgd_(ref_w, idx, off, dout, 0.1, per_sample_weights=psw)
+    np.testing.assert_array_equal(default[1][1], ref_w.view(np.uint32))
+    candidates = knob.candidates(problem, True)
+    assert len(candidates) > 1 and knob.heuristic(problem) in candidates
+    for params in candidates:
+        tunedb.store(name, knob.shape_class(problem), params)
+        assert knob.choose(problem) == params
+        for b, want_bits in zip(batches, default):
+            for got, want in zip(_run_ops(*b, bf16=bf16), want_bits):
+                np.testing.assert_array_equal(got, want)
+
+
+def test_tuned_entries_reach_the_kernels(db, one_thread, monkeypatch, caplog):
+    problem = (ROWS, DIM, POOLING, BATCH, 4, 1)
+    tunedb.store("embedding.forward.prefetch", _knobs.shape_class(problem), {"distance": 16, "hint": "nta"})
+    tunedb.store("embedding.update.prefetch.sgd", _knobs.shape_class(problem), {"distance": 64})
+    w, idx, off, dout, _ = _batch()
+    monkeypatch.setenv("JITKERN_DEBUG", "1")
+    with caplog.at_level("DEBUG", logger="jitkern"):
+        embedding_bag_forward(w, idx, off)
+        embedding_bag_sgd_(w, idx, off, dout, 0.1)
+    assert "embedding_bag_forward[float32](D=64,bf16=False,hint=nta,pf=16,serial=True" in caplog.text
+    assert "embedding_bag_sgd[float32](D=64,bf16=False,parallel=False,pf=64," in caplog.text
+    assert adagrad._kernels(ROWS, DIM, 1, POOLING * BATCH, BATCH)[:2] == (8192, 32)
+    tunedb.store("embedding.update.prefetch.adagrad", _knobs.shape_class(problem), {"distance": 32, "link": 8})
+    assert adagrad._kernels(ROWS, DIM, 1, POOLING * BATCH, BATCH)[:2] == (8192, 8)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
+def test_parallel_thresholds_from_the_db_keep_results(db):
+    """Tuned thresholds that send every call to the parallel kernels (or keep all on the calling
+    thread) change nothing in the results; the generic width's kernels, as the property tests'."""
+    dim, threads = 5, numba.get_num_threads()
+    problem = (ROWS, dim, POOLING, BATCH, 4, threads)
+    batch = _batch(2, dim=dim)
+    default = _run_ops(*batch)
+    assert threads > 1
+    for fwd, upd, ada in (({"serial_max_work": -1}, {"min_work": 0, "min_table": 0}, {"min_nnz": 0}),
+                          ({"serial_max_work": _knobs.NEVER}, {"min_work": _knobs.NEVER, "min_table": 0},
+                           {"min_nnz": _knobs.NEVER})):
+        cls = _knobs.shape_class(problem)
+        tunedb.store_many([("embedding.parallel.forward", cls, fwd), ("embedding.parallel.sgd", cls, upd),
+                           ("embedding.parallel.adagrad", cls, ada)])
+        for got, want in zip(_run_ops(*batch), default):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 numba threads")
+def test_parallel_searches_return_thresholds():
+    problem = (ROWS, 5, POOLING, BATCH, 4, 2)
+    for knob, key in ((forward.PARALLEL, "serial_max_work"), (sgd.PARALLEL, "min_work"), (adagrad.PARALLEL, "min_nnz")):
+        r = tune.tune_problem(knob, problem, quick=True, min_time=0.0)
+        assert set(r.best) == set(knob.heuristic(problem)) and isinstance(r.best[key], int)
+        one = knob.search(problem[:-1] + (1,), True, lambda fn: 0.0)  # one thread: nothing to time
+        assert one == knob.heuristic(problem[:-1] + (1,))
+
+
+def test_tuner_stores_embedding_entries(db):
+    results = tune.tune(WORKLOAD, quick=True, select="embedding.*", min_time=0, out=None)
+    names = {r.knob for r in results}
+    assert names == {"embedding.forward.prefetch", "embedding.update.prefetch.sgd", "embedding.update.prefetch.adagrad",
+                     "embedding.parallel.forward", "embedding.parallel.sgd", "embedding.parallel.adagrad"}
+    stored = tunedb.entries()
+    cls = _knobs.shape_class((ROWS, DIM, POOLING, BATCH, 4, 1))
+    for r in results:
+        assert stored[r.knob][cls] == r.best
+        assert r.best_s is None or r.best_s <= r.heuristic_s
+    assert tune.tune(WORKLOAD, quick=True, select="embedding.*", only_missing=True, min_time=0, out=None) == []
