@@ -1,8 +1,12 @@
-"""python -m jitkern bench gemm [--threads N]: linear forward/backward vs NumPy on the DLRM MLP shapes.
+"""python -m jitkern bench gemm [--threads N] [--tune]: linear forward/backward vs NumPy on the DLRM MLP shapes.
 
 Forward baseline: NumPy `np.maximum(x @ w.T + b, 0)`; backward baseline: the masked gradient,
 `g @ w`, `g.T @ x` and `g.sum(0)`. Both run in this process on the same inputs; the ratio is
 NumPy time / jitkern time (> 1: jitkern is faster).
+
+--tune also times, for every GEMM those layers run (forward, dx, and dw or dwt), the blocking
+knob's heuristic against each candidate of the full tuning grid, and prints the heuristic's rate,
+the best other candidate's and their time ratio (> 1: a candidate beats the heuristic).
 """
 from __future__ import annotations
 
@@ -29,11 +33,69 @@ def _numpy_backward(dy, x, w, y):
     return g @ w, g.T @ x, g.sum(axis=0)
 
 
+def _thread_time_of(fn, reps: int) -> float:
+    """Fastest of `reps` calls of fn in the calling thread's CPU time (one-thread kernels run on it)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t0)
+    return best
+
+
+def tune_rows(batch: int, threads: int, rounds: int = 3, min_time: float = 0.02):
+    """Per GEMM of the SHAPES' layers: (variant, m x n x k, heuristic, its GFLOP/s, best other
+    candidate of the full grid (one running other blocks than the heuristic's), its GFLOP/s, time
+    ratio heuristic / best other). Candidates are
+    timed in `rounds` interleaved rounds, each the fastest of a few calls (thread CPU time with one
+    thread, else wall time)."""
+    from ..codegen.knobs import get
+    from ..codegen.tune import best_time
+    from ..ops.gemm import dw_variant, shape_blocks, tile_shape
+    mr, nr, _ = tile_shape()
+    problems = {}
+    for kin, kout in SHAPES:
+        dw = dw_variant(kout, kin, mr, nr)
+        problems[("linear_forward", (batch, kout, kin, threads))] = None
+        problems[("linear_dx", (batch, kin, kout, threads))] = None
+        problems[(dw, (kout, kin, batch, threads) if dw == "linear_dw" else (kin, kout, batch, threads))] = None
+    rows = []
+    for variant, problem in problems:
+        knob = get(f"gemm.blocks.{variant}")
+        heur = dict(knob.heuristic(problem))
+        blocks = lambda c: shape_blocks(c, *problem)  # noqa: E731  (candidates that run the same blocks are one point)
+        cands = [heur] + [c for c in knob.candidates(problem, False) if blocks(c) != blocks(heur)]
+        runs = [knob.runner(problem, c) for c in cands]
+        for fn in runs:
+            fn()
+        times = [float("inf")] * len(runs)
+        for _ in range(rounds):
+            for i, fn in enumerate(runs):
+                t = _thread_time_of(fn, 3) if threads == 1 else best_time(fn, min_time)
+                times[i] = min(times[i], t)
+        best = min(range(1, len(cands)), key=times.__getitem__)
+        m, n, k, _ = problem
+        gf = lambda t: 2.0 * m * n * k / t / 1e9  # noqa: E731
+        rows.append((variant, f"{m}x{n}x{k}", heur, gf(times[0]), cands[best], gf(times[best]), times[0] / times[best]))
+    return rows
+
+
+def _print_tune(rows) -> None:
+    fmt = lambda p: f"mc={p['mc']},kc={p['kc']}"  # noqa: E731
+    print_table(("GEMM", "m x n x k", "heuristic", "GF/s", "best other", "GF/s", "heur/best"),
+                [(v, shape, fmt(h), f"{hg:.1f}", fmt(b), f"{bg:.1f}", f"{r:.2f}") for v, shape, h, hg, b, bg, r in rows])
+    worst = max(rows, key=lambda r: r[-1])
+    print(f"heuristic within 10% of the best other candidate on {sum(r[-1] <= 1.1 for r in rows)}/{len(rows)} "
+          f"GEMMs; worst {worst[0]} {worst[1]} {worst[-1]:.2f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jitkern bench gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads for jitkern and the BLAS (default: all)")
     p.add_argument("--batch", type=int, default=2048, help="batch size N (default 2048)")
     p.add_argument("--min-time", type=float, default=0.4, help="seconds per measurement (default 0.4)")
+    p.add_argument("--tune", action="store_true",
+                   help="also time each GEMM's blocking heuristic against the full tuning grid")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     import numba
@@ -75,4 +137,6 @@ def main(argv=None) -> int:
     print_table(("K->M (N=%d)" % args.batch, "fwd GF/s", "numpy", "ratio", "bwd GF/s", "numpy", "ratio"), rows)
     print(f"median ratio  forward {statistics.median(fwd_ratios):.2f}   backward {statistics.median(bwd_ratios):.2f}")
     print(f"start-up: import {t_import:.2f} s, first forward+backward (compile or disk-cache load) {t_first:.2f} s")
+    if args.tune:
+        _print_tune(tune_rows(args.batch, numba.get_num_threads()))
     return 0

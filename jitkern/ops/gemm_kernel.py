@@ -78,15 +78,15 @@ def _pack_b_rows(bp, bflat, kb, geo, p_first, nr):
 def _pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
     """alpha * A[i0:i0+mcb, p0:p0+kcb] into ap as mr-row panels, k-major, rows past mcb zeroed.
 
-    The loops follow a's memory order (rows along k, or columns if ta); full panels of a plain
-    A that the tile kernel reads in place (a_inplace) are skipped. blk = (i0, mcb, j0, ncb),
+    The loops follow a's memory order (rows along k, or columns if ta); full panels that the
+    tile kernel reads in place (a_inplace) are skipped. blk = (i0, mcb, j0, ncb),
     kpass = (p0, kcb), geo = (m, k): A is (m, k), or (k, m) if ta.
     """
     i0, mcb, _, _ = blk
     p0, kcb = kpass
     m, k = geo
     nfull = mcb // mr
-    if ta:  # full panels row by row of a: each k reads mcb contiguous floats
+    if ta and not a_inplace:  # full panels row by row of a: each k reads mcb contiguous floats
         for kk in range(kcb):
             src = (p0 + kk) * m + i0
             for ip in range(nfull):
@@ -98,10 +98,8 @@ def _pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
         dst = ip * kcb * mr
         rows = min(mr, mcb - ip * mr)
         ibase = i0 + ip * mr
-        if ta and ip < nfull:
-            pass  # packed above
-        elif a_inplace and rows == mr:
-            pass  # read in place by the tile kernel
+        if rows == mr and (ta or a_inplace):
+            pass  # packed above, or read in place by the tile kernel
         elif ta:
             for kk in range(kcb):
                 for r in range(rows):
@@ -150,15 +148,16 @@ def _sweep_tiles(code, a_src, b_src, cf, tile, biasp, blk, kpass, geo, mode):
 
     a_src = (flat A, packed A block), b_src = (packed B panels, flat B), cf: flat C, tile: MR * NR
     scratch for edge tiles, biasp: bias zero-padded to whole panels; blk = (i0, mcb, j0, ncb),
-    kpass = (p0, kcb), geo = (n, k, ps); mode = (a_inplace, b_inplace, load, epi, use_bias, relu).
+    kpass = (p0, kcb), geo = (m, n, k, ps); mode = (a_inplace, ta, b_inplace, load, epi, use_bias,
+    relu).
     """
     mr, nr = tile_dims(code)
     aflat, ap = a_src
     bp, bflat = b_src
     i0, mcb, j0, ncb = blk
     p0, kcb = kpass
-    n, k, ps = geo
-    a_inplace, b_inplace, load, epi, use_bias, relu = mode
+    m, n, k, ps = geo
+    a_inplace, ta, b_inplace, load, epi, use_bias, relu = mode
     flags = (load, epi, use_bias, relu)
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
@@ -173,7 +172,7 @@ def _sweep_tiles(code, a_src, b_src, cf, tile, biasp, blk, kpass, geo, mode):
             ii = i0 + ip * mr
             mrem = min(mr, i0 + mcb - ii)
             if a_inplace and mrem == mr:
-                a_op = (aflat, ii * k + p0, 1, k)
+                a_op = (aflat, p0 * m + ii, m, 1) if ta else (aflat, ii * k + p0, 1, k)
             else:
                 a_op = (ap, ip * kcb * mr, mr, 1)
             if mrem == mr and nrem == nr:
@@ -203,11 +202,13 @@ def _gemm_factory(spec: KernelSpec):
         mc, kc, nc = blocks
         ta, tb, use_bias, relu = flags
         npan = (n + NR - 1) // NR
-        # Pack B into k-major NR-wide panels (panel p at p * ps) when tb, or when B's row
-        # stride is a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets).
+        # Pack B into k-major NR-wide panels (panel p at p * ps) when tb, when B's row stride is
+        # a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets), or when 16 or
+        # more row tiles reuse each panel (packed: one aligned cache line per NR floats instead
+        # of lines split at B's row stride; the copy is then a small share of the traffic).
         # Otherwise B's rows are already k-major: full panels are read in place (row stride n)
         # and only a ragged last panel is packed, zero-padded, into panel 0 of bp.
-        inplace = not tb and n % 512 != 0
+        inplace = not tb and n % 512 != 0 and m < 16 * MR
         packed = (1 if n % NR else 0) if inplace else npan
         ps = k * NR + 16  # panel stride, one cache line more than needed: panels written side by
         #                   side would otherwise sit 4 KiB-aliased and collide in L1 sets
@@ -223,8 +224,10 @@ def _gemm_factory(spec: KernelSpec):
         if use_bias:
             biasp[:n] = bias
         cf, aflat = c.reshape(m * n), a.reshape(a.size)
-        # a plain row-major A (not scaled) is read in place: MR row streams the prefetcher follows
-        a_inplace = not ta and alpha == 1.0
+        # A (not scaled) is read in place when plain row-major (MR row streams the prefetcher
+        # follows), or transposed when each C block has one column panel (its packed copy would
+        # be read only once)
+        a_inplace = alpha == 1.0 and (not ta or nc <= NR)
         nib, njb = (m + mc - 1) // mc, (n + nc - 1) // nc
         npc = max(1, (k + kc - 1) // kc)
         for t in prange(nib * njb):
@@ -239,8 +242,8 @@ def _gemm_factory(spec: KernelSpec):
             for pi in range(npc):
                 kpass = (pi * kc, min(kc, k - pi * kc))
                 _pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, MR)
-                mode = (a_inplace, inplace, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu)
-                _sweep_tiles(CODE, (aflat, ap), (bp, bflat), cf, tile, biasp, blk, kpass, (n, k, ps), mode)
+                mode = (a_inplace, ta, inplace, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu)
+                _sweep_tiles(CODE, (aflat, ap), (bp, bflat), cf, tile, biasp, blk, kpass, (m, n, k, ps), mode)
     return gemm_kernel
 
 
