@@ -83,7 +83,8 @@ def tune_rows(batch: int, threads: int, rounds: int = 3, min_time: float = 0.02)
 def _print_tune(rows) -> None:
     fmt = lambda p: f"mc={p['mc']},kc={p['kc']}"  # noqa: E731
     print_table(("GEMM", "m x n x k", "heuristic", "GF/s", "best other", "GF/s", "heur/best"),
-                [(v, shape, fmt(h), f"{hg:.1f}", fmt(b), f"{bg:.1f}", f"{r:.2f}") for v, shape, h, hg, b, bg, r in rows])
+                [(v, shape, fmt(h), f"{hg:.1f}", fmt(b), f"{bg:.1f}", f"{r:.2f}")
+                 for v, shape, h, hg, b, bg, r in rows])
     worst = max(rows, key=lambda r: r[-1])
     print(f"heuristic within 10% of the best other candidate on {sum(r[-1] <= 1.1 for r in rows)}/{len(rows)} "
           f"GEMMs; worst {worst[0]} {worst[1]} {worst[-1]:.2f}")

@@ -15,7 +15,7 @@ from ..codegen.knobs import knob, pow2_class
 from ..codegen.simd import tile_for
 from ..config import choice_token
 from . import _check
-from .gemm_kernel import gemm_into, grad_buffer, relu_grad
+from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transpose_into
 
 
 def tile_shape(isa: str | None = None) -> tuple[int, int, int]:
@@ -219,7 +219,8 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True):
     dx = _run(g, w, np.empty((n, k), np.float32), False, False, "linear_dx") if need_dx else None
     mr, nr, _ = tile_shape()
     if dw_variant(m, k, mr, nr) == "linear_dwt":
-        dw = np.ascontiguousarray(_run(x, g, np.empty((k, m), np.float32), True, False, "linear_dwt").T)
+        dw = np.empty((m, k), np.float32)
+        transpose_into(_run(x, g, np.empty((k, m), np.float32), True, False, "linear_dwt"), dw)
     else:
         dw = _run(g, x, np.empty((m, k), np.float32), True, False, "linear_dw")
     return dx, dw, db

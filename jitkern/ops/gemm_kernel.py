@@ -24,6 +24,8 @@ from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
+from ..codegen.vec import addr_of, vtranspose16
+from .gemv_kernel import gemv_into
 
 log = logging.getLogger("jitkern")
 
@@ -281,10 +283,12 @@ _DUMMY = np.zeros(1, np.float32)
 
 def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=False):
     """Run the driver with blocks = (mc, kc, nc) on validated, C-contiguous float32 arrays; c is
-    written and returned."""
+    written and returned. A C of one row or column goes to the matrix-vector kernels instead."""
     m, n = c.shape
     if m == 0 or n == 0:
         return c
+    if m == 1 or n == 1:  # a matrix-vector product: no tile would be more than one row or column full
+        return gemv_into(a, b, c, ta, tb, alpha=alpha, beta=beta, bias=bias, relu=relu)
     k = a.shape[0] if ta else a.shape[1]
     isa = host_target().isa
     mc, kc, nc = blocks
@@ -301,6 +305,24 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
         log.warning("gemm %s kernel failed to build (%s); using the portable scalar kernel", isa, e)
         _kernel("scalar")(*args)
     return c
+
+
+@jit(parallel=True)
+def transpose_into(src, dst):
+    """dst (n, m) = src (m, n).T: 16 x 16 blocks transposed in registers (rows of 16 floats
+    loaded, columns stored as 16-float vectors), the ragged edges element by element."""
+    m, n = src.shape
+    sf, df = src.reshape(m * n), dst.reshape(m * n)
+    rowaddr = addr_of(src) + 4 * n * np.arange(m, dtype=np.int64)  # byte address of each row of src
+    mb, nb = m // 16 * 16, n // 16 * 16
+    for bi in prange((m + 15) // 16):
+        i0 = bi * 16
+        if i0 < mb:
+            for j0 in range(0, nb, 16):
+                vtranspose16(rowaddr, i0, 4 * j0, df, j0 * m + i0, m)
+        for j in range(0 if i0 >= mb else nb, n):
+            for i in range(i0, min(m, i0 + 16)):
+                df[_u(j * m + i)] = sf[_u(i * n + j)]
 
 
 # --------------------------------------------------------------------------- ReLU gradient
