@@ -41,6 +41,14 @@ def _u(i):
 
 
 @jit(inline="always")
+def _a_panel(kc, mr):
+    """Floats from one packed A panel to the next: one cache line more than kc * mr, so that
+    panels packed side by side (whose stride would often be a multiple of 4 KiB) do not all
+    fall into the same L1 set while the transposed packing writes to all of them at once."""
+    return kc * mr + 16
+
+
+@jit(inline="always")
 def _pack_b_columns(bp, bflat, p, geo, nr):
     """Panel p of B when B is (n, k) (its rows are C columns): each row read along k, into the
     k-major nr-wide panel at p * ps; columns past n zeroed. geo = (n, k, ps)."""
@@ -78,7 +86,8 @@ def _pack_b_rows(bp, bflat, kb, geo, p_first, nr):
 
 @jit(inline="always")
 def _pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
-    """alpha * A[i0:i0+mcb, p0:p0+kcb] into ap as mr-row panels, k-major, rows past mcb zeroed.
+    """alpha * A[i0:i0+mcb, p0:p0+kcb] into ap as mr-row panels, k-major, rows past mcb zeroed;
+    panel ip at ip * _a_panel(kcb, mr).
 
     The loops follow a's memory order (rows along k, or columns if ta); full panels that the
     tile kernel reads in place (a_inplace) are skipped. blk = (i0, mcb, j0, ncb),
@@ -92,12 +101,12 @@ def _pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
         for kk in range(kcb):
             src = (p0 + kk) * m + i0
             for ip in range(nfull):
-                d = (ip * kcb + kk) * mr
+                d = ip * _a_panel(kcb, mr) + kk * mr
                 s0 = src + ip * mr
                 for r in range(mr):
                     ap[_u(d + r)] = aflat[_u(s0 + r)] * alpha
     for ip in range((mcb + mr - 1) // mr):
-        dst = ip * kcb * mr
+        dst = ip * _a_panel(kcb, mr)
         rows = min(mr, mcb - ip * mr)
         ibase = i0 + ip * mr
         if rows == mr and (ta or a_inplace):
@@ -176,7 +185,7 @@ def _sweep_tiles(code, a_src, b_src, cf, tile, biasp, blk, kpass, geo, mode):
             if a_inplace and mrem == mr:
                 a_op = (aflat, p0 * m + ii, m, 1) if ta else (aflat, ii * k + p0, 1, k)
             else:
-                a_op = (ap, ip * kcb * mr, mr, 1)
+                a_op = (ap, ip * _a_panel(kcb, mr), mr, 1)
             if mrem == mr and nrem == nr:
                 fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags)
             else:
@@ -236,7 +245,7 @@ def _gemm_factory(spec: KernelSpec):
             ib = t // njb
             i0, j0 = ib * mc, (t - ib * njb) * nc
             blk = (i0, min(mc, m - i0), j0, min(nc, n - j0))
-            apsize = (mc + MR - 1) // MR * MR * max(kc, 1)
+            apsize = (mc + MR - 1) // MR * _a_panel(max(kc, 1), MR)
             ap = ws[bsize + t * apsize:bsize + (t + 1) * apsize]
             tile = np.empty(MR * NR, np.float32)
             if beta != 0.0 and beta != 1.0:
@@ -293,7 +302,7 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     isa = host_target().isa
     mc, kc, nc = blocks
     mr, nr, _ = tile_for(isa)
-    need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * mr * max(kc, 1)
+    need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * (max(kc, 1) * mr + 16)
     args = (a, b, c, _DUMMY if bias is None else bias, _workspace(need), (m, n, k),
             (np.float32(alpha), np.float32(beta)), (mc, kc, nc), (bool(ta), bool(tb), bias is not None, bool(relu)))
     kern = _kernel(isa)

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
 from ..codegen.knobs import knob, pow2_class
-from ..codegen.vec import addr_of, f32_ptr, vadd, vfma, vlen, vload, vload_addr, vsplat, vstore, vtranspose16, vzero
+from ..codegen.vec import addr_of, f32_ptr, vadd, vfma, vload, vload_addr, vsplat, vstore, vtranspose16, vzero
 from . import _check
 
 # (F, D) classes the DLRM benchmarks and models use get kernels with F and D as literals
@@ -37,26 +37,15 @@ _SPECIALISED = {(27, 16), (27, 64), (27, 128), (9, 64)}
 
 
 @jit(inline="always")
-def _store_row(z, b, i, j0, D, off, a, g):
-    """z[b, row i of the triangle][j0: j0 + W] = a, storing only lanes inside the triangle's row.
-
-    A full vector store that runs past row i's end writes garbage into the following rows; that
-    is safe because (1) rows are stored in increasing order within a chunk and chunks in
-    decreasing order, so every such position is rewritten later by its own row, and (2) a store
-    that would run past the end of z[b] (which another thread may own) goes through g instead.
-    """
-    n = i + off                          # row i's length
-    if j0 >= n:
-        return
-    k = D + i * (i - 1) // 2 + i * off   # pairs in the rows above i
-    nz = z.shape[1]
-    w = vlen(a)
-    if k + j0 + w <= nz:
-        vstore(z, b * nz + k + j0, a)
-    else:
-        vstore(g, 0, a)
-        for j in range(j0, min(n, j0 + w)):
-            z[b, k + j] = g[j - j0]
+def _store_triangle(zf, base, zs, F, Fp, off):
+    """zf[base:] = the lower triangle of the sample's dot matrix zs (F, Fp), row by row: row i's
+    first i + off entries (off = 1 includes the diagonal)."""
+    k = base
+    for i in range(F):
+        row = i * Fp
+        for j in range(i + off):
+            zf[np.uint64(k + j)] = zs[np.uint64(row + j)]
+        k += i + off
 
 
 @kernel_factory("interaction_dot_forward")
@@ -70,9 +59,12 @@ def _dot_forward_factory(spec):
         # z: (B, D + P) output
         D = DC if DC > 0 else x.shape[1]
         F = FC if FC > 0 else addrs.shape[0] + 1
-        Fp = (F + W - 1) // W * W
+        Q = max(W, 4)  # whole vectors and whole 4-row tiles
+        Fp = (F + Q - 1) // Q * Q
         tt = np.zeros(D * Fp, np.float32)  # one sample transposed: (D, Fp), columns >= F stay 0
-        g = np.empty(W, np.float32)  # a chunk that would run past the end of z[b]
+        zs = np.empty(Fp * Fp, np.float32)  # the sample's dot matrix, rows whole (only the triangle is kept)
+        nz = z.shape[1]
+        zf = z.reshape(z.size)
         blocks = W == 16 and D % 16 == 0  # transpose 16 x 16 blocks in registers
         rowaddr = np.empty(Fp, np.int64)   # byte address of each row of the sample; pad rows -> 0s
         zeros = np.zeros(D, np.float32)
@@ -95,25 +87,22 @@ def _dot_forward_factory(spec):
                     for d in range(D):
                         tt[d * Fp + t + 1] = row[d]
             for i0 in range(0, F, 4):
-                # rows past F repeat row F-1: computed, never stored
-                i1, i2, i3 = min(i0 + 1, F - 1), min(i0 + 2, F - 1), min(i0 + 3, F - 1)
-                # lanes the tile's longest row needs, last chunk first (see _store_row)
-                for j0 in range((i3 + off - 1) // W * W, -1, -W):
+                # rows i0..i0+3 (those past F are zeros of tt, computed and never stored), the lanes
+                # the tile's longest row needs; whole vectors into zs, no partial stores
+                for j0 in range(0, i0 + 3 + off, W):
                     a0 = a1 = a2 = a3 = vzero(W)
                     for d in range(D):
                         col = d * Fp
                         v = vload(tt, col + j0, W)
                         a0 = vfma(vsplat(tt[col + i0], W), v, a0)
-                        a1 = vfma(vsplat(tt[col + i1], W), v, a1)
-                        a2 = vfma(vsplat(tt[col + i2], W), v, a2)
-                        a3 = vfma(vsplat(tt[col + i3], W), v, a3)
-                    _store_row(z, b, i0, j0, D, off, a0, g)
-                    if i0 + 1 < F:
-                        _store_row(z, b, i0 + 1, j0, D, off, a1, g)
-                    if i0 + 2 < F:
-                        _store_row(z, b, i0 + 2, j0, D, off, a2, g)
-                    if i0 + 3 < F:
-                        _store_row(z, b, i0 + 3, j0, D, off, a3, g)
+                        a1 = vfma(vsplat(tt[col + i0 + 1], W), v, a1)
+                        a2 = vfma(vsplat(tt[col + i0 + 2], W), v, a2)
+                        a3 = vfma(vsplat(tt[col + i0 + 3], W), v, a3)
+                    vstore(zs, i0 * Fp + j0, a0)
+                    vstore(zs, (i0 + 1) * Fp + j0, a1)
+                    vstore(zs, (i0 + 2) * Fp + j0, a2)
+                    vstore(zs, (i0 + 3) * Fp + j0, a3)
+            _store_triangle(zf, b * nz + D, zs, F, Fp, off)
     return dot_forward
 
 
