@@ -7,6 +7,8 @@ ReLU-gradient pass (mask + bias gradient) feeds both GEMMs a plain operand.
 """
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 
@@ -98,14 +100,20 @@ def _candidates(problem, quick):
     return [{"mc": mc, "kc": kc} for kc in kcs for mc in mcs]
 
 
+@functools.lru_cache(maxsize=1)
+def _inputs(ta: bool, tb: bool, m: int, n: int, k: int):
+    """Random operands and an output for one tuning problem, made once for all its candidates."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32)
+    b = rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)
+    return a, b, np.empty((m, n), np.float32)
+
+
 def _runner(variant):
     def runner(problem, params):
         m, n, k, threads = problem
         ta, tb = variant in ("linear_dw", "linear_dwt"), variant == "linear_forward"
-        rng = np.random.default_rng(0)
-        a = rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32)
-        b = rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)
-        c = np.empty((m, n), np.float32)
+        a, b, c = _inputs(ta, tb, m, n, k)
         blocks = shape_blocks(params, m, n, k, threads)
         return lambda: gemm_into(a, b, c, ta, tb, blocks)
     return runner
