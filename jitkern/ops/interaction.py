@@ -144,39 +144,27 @@ def _diagonal_blocks(sd, dzf, base, F, off):
     pair-gradient matrix S (S[i, j] = S[j, i] = dz of pair (i, j), j < i; S[i, i] is twice the
     diagonal pair's with self-interaction (off = 1), else 0), whose triangle is at dzf[base:];
     entries of rows or columns >= F are 0."""
-    for i0 in range(0, F, 4):
-        for q in range(4):
-            for c in range(4):
-                i, j = i0 + q, i0 + c
-                v = np.float32(0.0)
-                if i < F and j < F:
-                    if j < i:
-                        v = dzf[base + _tri(i, off) + j]
-                    elif i < j:
-                        v = dzf[base + _tri(j, off) + i]
-                    elif off:
-                        v = 2 * dzf[base + _tri(i, off) + i]
-                sd[i0 * 4 + q * 4 + c] = v
+    sd[:] = 0.0
+    for i in range(F):
+        i0, q = i // 4 * 4, i % 4
+        row = base + _tri(i, off) + i0
+        for c in range(q):
+            sd[_u(i0 * 4 + q * 4 + c)] = sd[_u(i0 * 4 + c * 4 + q)] = dzf[_u(row + c)]
+        if off:
+            sd[_u(i0 * 4 + q * 5)] = 2 * dzf[_u(row + q)]
 
 
 @jit(inline="always")
-def _store_sample(g, dzf, dx, dly, b, F, D, Dp, W):
-    """Sample b's gradient rows, held in g (F, Dp): row 0 (plus dz's copy of x, at dzf[b * (D + P)])
-    to dx[b], row i to dly[i - 1, b]; whole W-lane vectors when Dp == D, else element by element
-    (pad lanes are not stored)."""
-    nb, nz = dly.shape[1], dzf.size // dx.shape[0]
-    dxf, dlyf = dx.reshape(dx.size), dly.reshape(dly.size)
-    if D == Dp:
-        for j0 in range(0, D, W):
-            vstore(dxf, b * D + j0, vadd(vload(g, j0, W), vload(dzf, b * nz + j0, W)))
-            for i in range(1, F):
-                vstore(dlyf, ((i - 1) * nb + b) * D + j0, vload(g, i * Dp + j0, W))
-    else:
+def _store_rows(g, dzf, dx, dly, b, F, D, Dp):
+    """Sample b's gradient rows, held in g (F, Dp) when D is not a whole number of vectors: row 0
+    (plus dz's copy of x, at dzf[b * (D + P)]) to dx[b], row i to dly[i - 1, b], pad lanes not
+    stored."""
+    nz = dzf.size // dx.shape[0]
+    for d in range(D):
+        dx[b, d] = g[d] + dzf[b * nz + d]
+    for i in range(1, F):
         for d in range(D):
-            dxf[b * D + d] = g[d] + dzf[b * nz + d]
-        for i in range(1, F):
-            for d in range(D):
-                dlyf[((i - 1) * nb + b) * D + d] = g[i * Dp + d]
+            dly[i - 1, b, d] = g[i * Dp + d]
 
 
 @kernel_factory("interaction_dot_backward")
@@ -196,8 +184,9 @@ def _dot_backward_factory(spec):
         buf = np.zeros(F * Dp, np.float32)  # one sample: (F, Dp), pad lanes stay 0
         g = np.empty(Fq * Dp, np.float32)   # its gradient rows (and up to 3 rows past F, not stored)
         sd = np.empty(Fq * 4, np.float32)   # S's 4 x 4 diagonal blocks
-        nz = dz.shape[1]
-        dzf = dz.reshape(dz.size)
+        nz, nb = dz.shape[1], dly.shape[1]
+        dzf, dxf, dlyf = dz.reshape(dz.size), dx.reshape(dx.size), dly.reshape(dly.size)
+        full = D == Dp  # rows go straight to dx / dly; else through g (pad lanes must not be stored)
         for b in range(b0, b1):
             _gather_sample(buf, x, addrs, b, stride, F - 1, D, Dp, W)
             base = b * nz + D
@@ -220,11 +209,24 @@ def _dot_backward_factory(spec):
                         v, t = vload(buf, j * Dp + j0, W), base + _tri(j, off) + i0
                         a0, a1 = vfma(vsplat(dzf[_u(t)], W), v, a0), vfma(vsplat(dzf[_u(t + 1)], W), v, a1)
                         a2, a3 = vfma(vsplat(dzf[_u(t + 2)], W), v, a2), vfma(vsplat(dzf[_u(t + 3)], W), v, a3)
-                    vstore(g, i0 * Dp + j0, a0)
-                    vstore(g, (i0 + 1) * Dp + j0, a1)
-                    vstore(g, (i0 + 2) * Dp + j0, a2)
-                    vstore(g, (i0 + 3) * Dp + j0, a3)
-            _store_sample(g, dzf, dx, dly, b, F, D, Dp, W)
+                    if full:  # straight to dx / dly, among the FMAs (rows past F are not stored)
+                        if i0 == 0:
+                            vstore(dxf, b * D + j0, vadd(a0, vload(dzf, b * nz + j0, W)))
+                        else:
+                            vstore(dlyf, ((i0 - 1) * nb + b) * D + j0, a0)
+                        if i0 + 1 < F:
+                            vstore(dlyf, (i0 * nb + b) * D + j0, a1)
+                        if i0 + 2 < F:
+                            vstore(dlyf, ((i0 + 1) * nb + b) * D + j0, a2)
+                        if i0 + 3 < F:
+                            vstore(dlyf, ((i0 + 2) * nb + b) * D + j0, a3)
+                    else:
+                        vstore(g, i0 * Dp + j0, a0)
+                        vstore(g, (i0 + 1) * Dp + j0, a1)
+                        vstore(g, (i0 + 2) * Dp + j0, a2)
+                        vstore(g, (i0 + 3) * Dp + j0, a3)
+            if not full:
+                _store_rows(g, dzf, dx, dly, b, F, D, Dp)
     return dot_backward
 
 
