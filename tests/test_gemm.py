@@ -98,6 +98,73 @@ def test_linear_backward_narrow_shapes_and_skipped_dx(n, k, m, act, need_dx, see
     assert_close(db, rdb, ady.sum(axis=0), n)
 
 
+# lengths around the matrix-vector kernels' 256-output chunks, and K from empty to long
+thin = st.one_of(st.integers(2, 300), st.sampled_from([255, 256, 257, 511, 513, 2048]))
+
+
+@given(long=thin, k=st.one_of(st.integers(0, 40), st.sampled_from([255, 256, 2048])), column=st.booleans(),
+       ta=st.booleans(), tb=st.booleans(), alpha=st.sampled_from([1.0, -0.5]),
+       beta=st.sampled_from([0.0, 1.0, -1.5]), seed=st.integers(0, 99))
+def test_matrix_vector_gemm_matches_reference(long, k, column, ta, tb, alpha, beta, seed):
+    # a C with one column (m x 1) or one row (1 x n) takes the matrix-vector kernels
+    m, n = (long, 1) if column else (1, long)
+    rng = np.random.default_rng(seed)
+    a = arrays(rng, *((k, m) if ta else (m, k)))
+    b = arrays(rng, *((n, k) if tb else (k, n)))
+    c = arrays(rng, m, n)
+    c[0, 0] = np.nan if beta == 0.0 else c[0, 0]  # beta == 0: C is never read
+    got = gemm(a, b, c.copy(), trans_a=ta, trans_b=tb, alpha=alpha, beta=beta)
+    want = ref.gemm(a, b, np.nan_to_num(c), trans_a=ta, trans_b=tb, alpha=alpha, beta=beta)
+    opa, opb = (a.T if ta else a), (b.T if tb else b)
+    scale = abs(alpha) * (np.abs(opa).astype(np.float64) @ np.abs(opb)) + abs(beta) * np.abs(np.nan_to_num(c))
+    assert_close(got, want, scale, k)
+
+
+@given(long=thin, k=st.integers(1, 300), act=st.sampled_from([None, "relu"]), one_out=st.booleans(),
+       seed=st.integers(0, 99))
+def test_linear_layers_with_one_output_or_one_sample(long, k, act, one_out, seed):
+    # 256 -> 1 (the click logit) forward and backward, and a batch of one sample
+    n, m = (long, 1) if one_out else (1, long)
+    rng = np.random.default_rng(seed)
+    x, w, b = arrays(rng, n, k), arrays(rng, m, k), arrays(rng, m)
+    y = linear_forward(x, w, b, activation=act)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).T + np.abs(b)
+    assert_close(y, ref.linear_forward(x, w, b, activation=act), scale, k)
+    dy = arrays(rng, n, m)
+    dx, dw, db = linear_backward(dy, x, w, y, activation=act)
+    rdx, rdw, rdb = ref.linear_backward(dy, x, w, y, activation=act)
+    ady = np.abs(dy).astype(np.float64)
+    assert_close(dx, rdx, ady @ np.abs(w), m)
+    assert_close(dw, rdw, ady.T @ np.abs(x), n)
+    assert_close(db, rdb, ady.sum(axis=0), n)
+
+
+def test_matrix_vector_relu_keeps_nan_and_results_do_not_depend_on_threads():
+    rng = np.random.default_rng(5)
+    x, w, b = arrays(rng, 1000, 70), arrays(rng, 1, 70), arrays(rng, 1)
+    x[3, 5] = np.nan
+    before = numba.get_num_threads()
+    try:
+        runs = []
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            runs.append((linear_forward(x, w, b, activation="relu"), gemm(x, x[:1], trans_b=True),
+                         gemm(x, x[:, :1], trans_a=True)))
+    finally:
+        numba.set_num_threads(before)
+    assert np.isnan(runs[0][0][3, 0]) and (np.nan_to_num(runs[0][0]) >= 0).all()
+    for got, first in zip(runs[-1], runs[0]):
+        np.testing.assert_array_equal(got, first)
+
+
+@given(m=dims, n=dims, seed=st.integers(0, 9))
+def test_transpose_into_matches_numpy(m, n, seed):
+    src = arrays(np.random.default_rng(seed), m, n)
+    dst = np.empty((n, m), np.float32)
+    G.transpose_into(src, dst)
+    np.testing.assert_array_equal(dst, src.T)
+
+
 @given(nb=st.integers(1, 5), m=dims, k=st.integers(1, 80), n=dims, beta=st.sampled_from([0.0, 0.5]),
        seed=st.integers(0, 99))
 def test_batch_reduce_gemm_matches_reference(nb, m, k, n, beta, seed):

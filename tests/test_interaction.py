@@ -219,13 +219,15 @@ def test_cat_argument_errors():
 
 def test_fma_probe_of_the_interaction_bench_runs():
     # the bench's peak probe uses codegen.vec directly: keep it compiling
-    from jitkern.bench.interaction import _fma_loop
+    from jitkern.bench.interaction import _fma_loop8, _fma_loop16
 
-    # 8 chains of m*c+m from c = 0, m = 0.5: each step c -> 0.5 c + 0.5, summed over 8 chains, 16 lanes
+    # chains of m*c+m from c = 0, m = 0.5: each step c -> 0.5 c + 0.5, summed over 8 (16 lanes) or
+    # 12 (8 lanes) chains
     c = 0.0
     for _ in range(3):
         c = 0.5 * c + 0.5
-    assert _fma_loop(np.float32(0.5), 3) == np.float32(8 * c)
+    assert _fma_loop16(np.float32(0.5), 3) == np.float32(8 * c)
+    assert _fma_loop8(np.float32(0.5), 3) == np.float32(12 * c)
 
 
 # --------------------------------------------------------------------------- knobs

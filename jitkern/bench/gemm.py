@@ -1,8 +1,12 @@
-"""python -m jitkern bench gemm [--threads N]: linear forward/backward vs NumPy on the DLRM MLP shapes.
+"""python -m jitkern bench gemm [--threads N] [--tune]: linear forward/backward vs NumPy on the DLRM MLP shapes.
 
 Forward baseline: NumPy `np.maximum(x @ w.T + b, 0)`; backward baseline: the masked gradient,
 `g @ w`, `g.T @ x` and `g.sum(0)`. Both run in this process on the same inputs; the ratio is
 NumPy time / jitkern time (> 1: jitkern is faster).
+
+--tune also times, for every GEMM those layers run (forward, dx, and dw or dwt), the blocking
+knob's heuristic against each candidate of the full tuning grid, and prints the heuristic's rate,
+the best other candidate's and their time ratio (> 1: a candidate beats the heuristic).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import time
 
 import numpy as np
 
+from ..codegen.tune import best_time
 from ..config import omp_wait_setting
 from .common import blas_description, do_bench, print_table, set_threads
 
@@ -29,11 +34,90 @@ def _numpy_backward(dy, x, w, y):
     return g @ w, g.T @ x, g.sum(axis=0)
 
 
+def _thread_time_of(fn, min_time: float, min_reps: int = 3) -> float:
+    """Fastest call of fn in the calling thread's CPU time (one-thread kernels run on it), over at
+    least `min_reps` calls and `min_time` seconds of them."""
+    best, total, reps = float("inf"), 0.0, 0
+    while reps < min_reps or total < min_time:
+        t0 = time.thread_time()
+        fn()
+        t = time.thread_time() - t0
+        best, total, reps = min(best, t), total + t, reps + 1
+    return best
+
+
+def _timer(threads: int, min_time: float):
+    return (lambda fn: _thread_time_of(fn, min_time)) if threads == 1 else (lambda fn: best_time(fn, min_time))
+
+
+def _fastest(runs, timer, rounds: int) -> list[float]:
+    """Per run, its fastest time over `rounds` interleaved rounds (a load burst hits all alike)."""
+    times = [float("inf")] * len(runs)
+    for _ in range(rounds):
+        for i, fn in enumerate(runs):
+            times[i] = min(times[i], timer(fn))
+    return times
+
+
+def tune_rows(batch: int, threads: int, rounds: int = 2, finalists: int = 3, min_time: float = 0.02):
+    """Per GEMM of the SHAPES' layers: (variant, m x n x k, heuristic, its GFLOP/s, best other
+    candidate of the full grid (one running other blocks than the heuristic's), its GFLOP/s, time
+    ratio heuristic / best other). Every candidate is timed in `rounds` interleaved rounds; the
+    heuristic and the `finalists` fastest others are then timed again, twice as long, and those
+    fresh times decide: the fastest of many noisy first timings is biased low (it is the one whose
+    noise was kindest), which would flatter the field against the heuristic."""
+    from ..codegen.knobs import get
+    from ..ops.gemm import dw_variant, shape_blocks, tile_shape
+    mr, nr, _ = tile_shape()
+    timer = _timer(threads, min_time)
+    problems = {}
+    for kin, kout in SHAPES:
+        dw = dw_variant(kout, kin, mr, nr)
+        problems[("linear_forward", (batch, kout, kin, threads))] = None
+        problems[("linear_dx", (batch, kin, kout, threads))] = None
+        problems[(dw, (kout, kin, batch, threads) if dw == "linear_dw" else (kin, kout, batch, threads))] = None
+    rows = []
+    for variant, problem in problems:
+        knob = get(f"gemm.blocks.{variant}")
+        heur = dict(knob.heuristic(problem))
+        blocks = lambda c: shape_blocks(c, *problem)  # noqa: E731  (candidates that run the same blocks are one point)
+        seen = {blocks(heur)}
+        cands = [heur]
+        for c in knob.candidates(problem, False):
+            if blocks(c) not in seen:
+                seen.add(blocks(c))
+                cands.append(dict(c))
+        runs = [knob.runner(problem, c) for c in cands]
+        for fn in runs:
+            fn()
+        first = _fastest(runs, timer, rounds)
+        final = [0] + sorted(range(1, len(cands)), key=first.__getitem__)[:finalists]
+        again = _fastest([runs[i] for i in final], timer, 2 * rounds)
+        best = min(range(1, len(final)), key=again.__getitem__)
+        m, n, k, _ = problem
+        gf = lambda t: 2.0 * m * n * k / t / 1e9  # noqa: E731
+        rows.append((variant, f"{m}x{n}x{k}", heur, gf(again[0]), cands[final[best]], gf(again[best]),
+                     again[0] / again[best]))
+    return rows
+
+
+def _print_tune(rows) -> None:
+    fmt = lambda p: f"mc={p['mc']},kc={p['kc']}"  # noqa: E731
+    print_table(("GEMM", "m x n x k", "heuristic", "GF/s", "best other", "GF/s", "heur/best"),
+                [(v, shape, fmt(h), f"{hg:.1f}", fmt(b), f"{bg:.1f}", f"{r:.2f}")
+                 for v, shape, h, hg, b, bg, r in rows])
+    worst = max(rows, key=lambda r: r[-1])
+    print(f"heuristic within 10% of the best other candidate on {sum(r[-1] <= 1.1 for r in rows)}/{len(rows)} "
+          f"GEMMs; worst {worst[0]} {worst[1]} {worst[-1]:.2f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jitkern bench gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads for jitkern and the BLAS (default: all)")
     p.add_argument("--batch", type=int, default=2048, help="batch size N (default 2048)")
     p.add_argument("--min-time", type=float, default=0.4, help="seconds per measurement (default 0.4)")
+    p.add_argument("--tune", action="store_true",
+                   help="also time each GEMM's blocking heuristic against the full tuning grid")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
     import numba
@@ -44,8 +128,10 @@ def main(argv=None) -> int:
     set_threads(args.threads)
     t_import = time.perf_counter() - t_start
     target = host_target()
+    # one thread: jitkern and the BLAS both run on this thread, so its CPU time is their time
+    clock = time.thread_time if numba.get_num_threads() == 1 else time.perf_counter
     print(f"target {target.key} isa={target.isa} threads={numba.get_num_threads()} "
-          f"{omp_wait_setting()}  {blas_description()}")
+          f"{omp_wait_setting()}  {blas_description()}  clock={clock.__name__}")
     rng = np.random.default_rng(0)
     rows, fwd_ratios, bwd_ratios = [], [], []
     t_first = None
@@ -62,10 +148,10 @@ def main(argv=None) -> int:
             t_first = time.perf_counter() - t0
         flops = 2.0 * n * kin * kout
         out = np.empty_like(y)
-        tf = do_bench(lambda: linear_forward(x, w, b, activation="relu", out=out), min_time=args.min_time)
-        nf = do_bench(lambda: _numpy_forward(x, w, b), min_time=args.min_time)
-        tb = do_bench(lambda: linear_backward(dy, x, w, y, activation="relu"), min_time=args.min_time)
-        nb = do_bench(lambda: _numpy_backward(dy, x, w, y), min_time=args.min_time)
+        tf = do_bench(lambda: linear_forward(x, w, b, activation="relu", out=out), min_time=args.min_time, clock=clock)
+        nf = do_bench(lambda: _numpy_forward(x, w, b), min_time=args.min_time, clock=clock)
+        tb = do_bench(lambda: linear_backward(dy, x, w, y, activation="relu"), min_time=args.min_time, clock=clock)
+        nb = do_bench(lambda: _numpy_backward(dy, x, w, y), min_time=args.min_time, clock=clock)
         fwd_ratios.append(nf.median / tf.median)
         bwd_ratios.append(nb.median / tb.median)
         rows.append((f"{kin}->{kout}", f"{flops / tf.median / 1e9:.1f} {tf.spread()}",
@@ -75,4 +161,6 @@ def main(argv=None) -> int:
     print_table(("K->M (N=%d)" % args.batch, "fwd GF/s", "numpy", "ratio", "bwd GF/s", "numpy", "ratio"), rows)
     print(f"median ratio  forward {statistics.median(fwd_ratios):.2f}   backward {statistics.median(bwd_ratios):.2f}")
     print(f"start-up: import {t_import:.2f} s, first forward+backward (compile or disk-cache load) {t_first:.2f} s")
+    if args.tune:
+        _print_tune(tune_rows(args.batch, numba.get_num_threads()))
     return 0

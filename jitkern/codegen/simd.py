@@ -108,11 +108,13 @@ def _declare(module, name, vw):
 def _emit_k_loop(t: _Tile, blocks, init, kc, a, b):
     """acc += a[:, k] (outer) b[k, :] for k < kc, from `init` = [(predecessor block, accumulators)].
 
-    Accumulators are loop-carried phis, so they stay in registers. a = (pa, ak, row offsets),
+    Accumulators are loop-carried phis, so they stay in registers. a = (row pointers, k stride),
     b = (pb, ldb); blocks = (head, body, exit). Returns the accumulators as seen in the exit block.
+    Each A element is addressed from its row's loop-invariant pointer: row addresses derived from
+    one another would chain MR dependent adds per k, as long as the FMAs of that k on AVX2.
     """
     b_head, b_body, b_exit = blocks
-    pa, ak, roff = a
+    rows, ak = a
     pb, ldb = b
     bld, vec, vw = t.bld, t.vec, t.vw
     bld.position_at_end(b_head)
@@ -134,7 +136,7 @@ def _emit_k_loop(t: _Tile, blocks, init, kc, a, b):
     undef, bmask = ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(_I32, vw), [0] * vw)
     new = []
     for r in range(t.mr):
-        x = bld.load(bld.gep(pa, [bld.add(abase, roff[r])]), align=4)
+        x = bld.load(bld.gep(rows[r], [abase]), align=4)
         xs = bld.shuffle_vector(bld.insert_element(undef, x, ir.Constant(_I32, 0)), undef, bmask)
         new.append([bld.call(t.fma, [xs, bvec[v], acc[r][v]]) for v in range(t.nv)])
     k_next = bld.add(k, ir.Constant(_I64, 1))
@@ -175,26 +177,53 @@ def _emit_store(t: _Tile, incoming):
 
 
 def _emit_tile_function(module, mr: int, nr: int, vw: int):
-    """Define (once per LLVM module) the always-inline tile function; return it."""
+    """Define (once per LLVM module) the always-inline tile function; return it.
+
+    Three K loops, picked per call: A's rows adjacent (ar = 1: a packed micro-panel, or a
+    transposed A read in place; one pointer, constant row offsets), A's rows read in place
+    (ak = 1: a pointer per row, constant k offsets), and any other strides."""
     name = f"jitkern_tile_{mr}x{nr}_v{vw}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
     fn, fma = _declare(module, name, vw)
     kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu = fn.args
-    names = ("entry", "load_c", "k_head", "k_body", "k_done", "epilogue", "store")
-    entry, b_load, b_head, b_body, b_tail, b_epi, b_store = (fn.append_basic_block(n) for n in names)
+    names = ("entry", "load_c", "k_pick", "k_pick2", "kp_head", "kp_body", "kr_head", "kr_body", "kg_head",
+             "kg_body", "k_done", "epilogue", "store")
+    (entry, b_load, b_pick, b_pick2, bp_head, bp_body, br_head, br_body, bg_head, bg_body, b_tail, b_epi,
+     b_store) = (fn.append_basic_block(n) for n in names)
     t = _Tile(ir.IRBuilder(entry), mr, nr // vw, vw, pc, ldc, fma)
     bld = t.bld
-    roff = [bld.mul(ir.Constant(_I64, r), ar) for r in range(mr)]  # row offsets, loop-invariant
-    bld.cbranch(load, b_load, b_head)
+    fp, one = _F32.as_pointer(), ir.Constant(_I64, 1)
+    opaque = ir.InlineAsm(ir.FunctionType(fp, [fp]), "", "=r,0")
+    # loop-invariant row pointers, opaque: loop strength reduction would otherwise derive each row's
+    # address from the previous row's, a chain of MR dependent adds per k (as long as the FMAs on AVX2)
+    rows = [bld.call(opaque, [bld.gep(pa, [bld.mul(ir.Constant(_I64, r), ar)])]) for r in range(mr)]
+    bld.cbranch(load, b_load, b_pick)
     bld.position_at_end(b_load)
     loaded = t.grid(lambda r, v: bld.load(t.c_ptr(r, v), align=4))
-    bld.branch(b_head)
-    zero = t.grid(lambda r, v: ir.Constant(t.vec, [0.0] * vw))
-    acc = _emit_k_loop(t, (b_head, b_body, b_tail), [(entry, zero), (b_load, loaded)], kc, (pa, ak, roff),
-                       (pb, ldb))
+    bld.branch(b_pick)
+    bld.position_at_end(b_pick)
+    start = t.grid(lambda r, v: bld.phi(t.vec))
+    for r in range(mr):
+        for v in range(t.nv):
+            start[r][v].add_incoming(ir.Constant(t.vec, [0.0] * vw), entry)
+            start[r][v].add_incoming(loaded[r][v], b_load)
+    consecutive = [bld.gep(pa, [ir.Constant(_I64, r)]) for r in range(mr)]
+    bld.cbranch(bld.icmp_signed("==", ar, one), bp_head, b_pick2)
+    bld.position_at_end(b_pick2)
+    bld.cbranch(bld.icmp_signed("==", ak, one), br_head, bg_head)
+    ends = []
+    for head, body, pick, a in ((bp_head, bp_body, b_pick, (consecutive, ak)),
+                                (br_head, br_body, b_pick2, (rows, one)), (bg_head, bg_body, b_pick2, (rows, ak))):
+        acc = _emit_k_loop(t, (head, body, b_tail), [(pick, start)], kc, a, (pb, ldb))
+        ends.append((head, acc))
     bld.position_at_end(b_tail)
+    acc = t.grid(lambda r, v: bld.phi(t.vec))
+    for block, values in ends:
+        for r in range(mr):
+            for v in range(t.nv):
+                acc[r][v].add_incoming(values[r][v], block)
     bld.cbranch(epi, b_epi, b_store)
     bld.position_at_end(b_epi)
     done = _emit_epilogue(t, acc, pbias, use_bias, relu)

@@ -7,6 +7,8 @@ ReLU-gradient pass (mask + bias gradient) feeds both GEMMs a plain operand.
 """
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
 
@@ -15,7 +17,7 @@ from ..codegen.knobs import knob, pow2_class
 from ..codegen.simd import tile_for
 from ..config import choice_token
 from . import _check
-from .gemm_kernel import gemm_into, grad_buffer, relu_grad
+from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transpose_into
 
 
 def tile_shape(isa: str | None = None) -> tuple[int, int, int]:
@@ -33,21 +35,28 @@ def _round_to(x: int, m: int) -> int:
 
 
 def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> dict:
-    """(mc, kc) from the target's caches and register tile. kc: a kc x NR B micro-panel of about
-    twice L1 -- the tile kernel streams it in order, so the prefetcher keeps up, and long K
-    loops amortise the C tile's load/store. mc: the mc x kc A block in an eighth of L2, leaving
-    room for B panels. kc is then split evenly over K."""
+    """(mc, kc) from the target's caches and register tile.
+
+    kc: a kc x NR B micro-panel of about twice L1 (at most 512): the tile streams it in order,
+    so the prefetcher keeps up from L2, and a long K loop amortises the C tile's load and store
+    per pass; kc is then split evenly over K. mc: the mc x kc A block (packed, or rows read in
+    place) in a quarter of L2, which it shares with the B micro-panels and C: it is reused over
+    every column panel of its C block. One block takes all rows where they fit in 3/4 of L2 and
+    all of C in L2 (B's panels then pass through once per K pass, not once per row block), or
+    where A is read transposed in place (a C block of one column panel: linear_dw/dwt with
+    n <= NR): there is no A block to keep, and all of B's one panel streams through once per C
+    block."""
     t = host_target()
     mr, nr, _ = tile_for(t.isa)
     kc0 = min(512, max(128, (2 * t.l1d) // (nr * 4) // 16 * 16))
     passes = max(1, -(-k // kc0))
     kc = _round_to(-(-k // passes), 4)
-    mc = max(mr, min(288, (t.l2 // 8) // (kc * 4) // mr * mr))
-    if variant in ("linear_dw", "linear_dwt") and n >= 512:
-        # transposed A is packed from mc-float runs of its rows: longer runs stream better once
-        # the A block is reused over many B panels
-        mc = _round_to(384, mr)
-    return {"mc": mc, "kc": kc}
+    whole = _round_to(m, mr)
+    fits = whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2
+    if fits or (variant in ("linear_dw", "linear_dwt") and n <= nr):
+        return {"mc": whole, "kc": kc}
+    mc = (t.l2 // 4) // (max(kc, 128) * 4) // mr * mr
+    return {"mc": max(mr, min(mc, 512 // mr * mr, whole)), "kc": kc}
 
 
 def shape_blocks(params: dict, m: int, n: int, k: int, threads: int, isa: str | None = None) -> tuple[int, int, int]:
@@ -91,14 +100,20 @@ def _candidates(problem, quick):
     return [{"mc": mc, "kc": kc} for kc in kcs for mc in mcs]
 
 
+@functools.lru_cache(maxsize=1)
+def _inputs(ta: bool, tb: bool, m: int, n: int, k: int):
+    """Random operands and an output for one tuning problem, made once for all its candidates."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32)
+    b = rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)
+    return a, b, np.empty((m, n), np.float32)
+
+
 def _runner(variant):
     def runner(problem, params):
         m, n, k, threads = problem
         ta, tb = variant in ("linear_dw", "linear_dwt"), variant == "linear_forward"
-        rng = np.random.default_rng(0)
-        a = rng.standard_normal((k, m) if ta else (m, k), dtype=np.float32)
-        b = rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)
-        c = np.empty((m, n), np.float32)
+        a, b, c = _inputs(ta, tb, m, n, k)
         blocks = shape_blocks(params, m, n, k, threads)
         return lambda: gemm_into(a, b, c, ta, tb, blocks)
     return runner
@@ -219,7 +234,8 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True):
     dx = _run(g, w, np.empty((n, k), np.float32), False, False, "linear_dx") if need_dx else None
     mr, nr, _ = tile_shape()
     if dw_variant(m, k, mr, nr) == "linear_dwt":
-        dw = np.ascontiguousarray(_run(x, g, np.empty((k, m), np.float32), True, False, "linear_dwt").T)
+        dw = np.empty((m, k), np.float32)
+        transpose_into(_run(x, g, np.empty((k, m), np.float32), True, False, "linear_dwt"), dw)
     else:
         dw = _run(g, x, np.empty((m, k), np.float32), True, False, "linear_dw")
     return dx, dw, db

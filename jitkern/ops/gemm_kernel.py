@@ -24,6 +24,8 @@ from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
+from ..codegen.vec import addr_of, vtranspose16
+from .gemv_kernel import gemv_into
 
 log = logging.getLogger("jitkern")
 
@@ -36,6 +38,14 @@ def _u(i):
 
 
 # --------------------------------------------------------------------------- packing
+
+
+@jit(inline="always")
+def _a_panel(kc, mr):
+    """Floats from one packed A panel to the next: one cache line more than kc * mr, so that
+    panels packed side by side (whose stride would often be a multiple of 4 KiB) do not all
+    fall into the same L1 set while the transposed packing writes to all of them at once."""
+    return kc * mr + 16
 
 
 @jit(inline="always")
@@ -76,32 +86,31 @@ def _pack_b_rows(bp, bflat, kb, geo, p_first, nr):
 
 @jit(inline="always")
 def _pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
-    """alpha * A[i0:i0+mcb, p0:p0+kcb] into ap as mr-row panels, k-major, rows past mcb zeroed.
+    """alpha * A[i0:i0+mcb, p0:p0+kcb] into ap as mr-row panels, k-major, rows past mcb zeroed;
+    panel ip at ip * _a_panel(kcb, mr).
 
-    The loops follow a's memory order (rows along k, or columns if ta); full panels of a plain
-    A that the tile kernel reads in place (a_inplace) are skipped. blk = (i0, mcb, j0, ncb),
+    The loops follow a's memory order (rows along k, or columns if ta); full panels that the
+    tile kernel reads in place (a_inplace) are skipped. blk = (i0, mcb, j0, ncb),
     kpass = (p0, kcb), geo = (m, k): A is (m, k), or (k, m) if ta.
     """
     i0, mcb, _, _ = blk
     p0, kcb = kpass
     m, k = geo
     nfull = mcb // mr
-    if ta:  # full panels row by row of a: each k reads mcb contiguous floats
+    if ta and not a_inplace:  # full panels row by row of a: each k reads mcb contiguous floats
         for kk in range(kcb):
             src = (p0 + kk) * m + i0
             for ip in range(nfull):
-                d = (ip * kcb + kk) * mr
+                d = ip * _a_panel(kcb, mr) + kk * mr
                 s0 = src + ip * mr
                 for r in range(mr):
                     ap[_u(d + r)] = aflat[_u(s0 + r)] * alpha
     for ip in range((mcb + mr - 1) // mr):
-        dst = ip * kcb * mr
+        dst = ip * _a_panel(kcb, mr)
         rows = min(mr, mcb - ip * mr)
         ibase = i0 + ip * mr
-        if ta and ip < nfull:
-            pass  # packed above
-        elif a_inplace and rows == mr:
-            pass  # read in place by the tile kernel
+        if rows == mr and (ta or a_inplace):
+            pass  # packed above, or read in place by the tile kernel
         elif ta:
             for kk in range(kcb):
                 for r in range(rows):
@@ -150,15 +159,16 @@ def _sweep_tiles(code, a_src, b_src, cf, tile, biasp, blk, kpass, geo, mode):
 
     a_src = (flat A, packed A block), b_src = (packed B panels, flat B), cf: flat C, tile: MR * NR
     scratch for edge tiles, biasp: bias zero-padded to whole panels; blk = (i0, mcb, j0, ncb),
-    kpass = (p0, kcb), geo = (n, k, ps); mode = (a_inplace, b_inplace, load, epi, use_bias, relu).
+    kpass = (p0, kcb), geo = (m, n, k, ps); mode = (a_inplace, ta, b_inplace, load, epi, use_bias,
+    relu).
     """
     mr, nr = tile_dims(code)
     aflat, ap = a_src
     bp, bflat = b_src
     i0, mcb, j0, ncb = blk
     p0, kcb = kpass
-    n, k, ps = geo
-    a_inplace, b_inplace, load, epi, use_bias, relu = mode
+    m, n, k, ps = geo
+    a_inplace, ta, b_inplace, load, epi, use_bias, relu = mode
     flags = (load, epi, use_bias, relu)
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
@@ -173,9 +183,9 @@ def _sweep_tiles(code, a_src, b_src, cf, tile, biasp, blk, kpass, geo, mode):
             ii = i0 + ip * mr
             mrem = min(mr, i0 + mcb - ii)
             if a_inplace and mrem == mr:
-                a_op = (aflat, ii * k + p0, 1, k)
+                a_op = (aflat, p0 * m + ii, m, 1) if ta else (aflat, ii * k + p0, 1, k)
             else:
-                a_op = (ap, ip * kcb * mr, mr, 1)
+                a_op = (ap, ip * _a_panel(kcb, mr), mr, 1)
             if mrem == mr and nrem == nr:
                 fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags)
             else:
@@ -203,11 +213,13 @@ def _gemm_factory(spec: KernelSpec):
         mc, kc, nc = blocks
         ta, tb, use_bias, relu = flags
         npan = (n + NR - 1) // NR
-        # Pack B into k-major NR-wide panels (panel p at p * ps) when tb, or when B's row
-        # stride is a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets).
+        # Pack B into k-major NR-wide panels (panel p at p * ps) when tb, when B's row stride is
+        # a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets), or when 16 or
+        # more row tiles reuse each panel (packed: one aligned cache line per NR floats instead
+        # of lines split at B's row stride; the copy is then a small share of the traffic).
         # Otherwise B's rows are already k-major: full panels are read in place (row stride n)
         # and only a ragged last panel is packed, zero-padded, into panel 0 of bp.
-        inplace = not tb and n % 512 != 0
+        inplace = not tb and n % 512 != 0 and m < 16 * MR
         packed = (1 if n % NR else 0) if inplace else npan
         ps = k * NR + 16  # panel stride, one cache line more than needed: panels written side by
         #                   side would otherwise sit 4 KiB-aliased and collide in L1 sets
@@ -223,15 +235,17 @@ def _gemm_factory(spec: KernelSpec):
         if use_bias:
             biasp[:n] = bias
         cf, aflat = c.reshape(m * n), a.reshape(a.size)
-        # a plain row-major A (not scaled) is read in place: MR row streams the prefetcher follows
-        a_inplace = not ta and alpha == 1.0
+        # A (not scaled) is read in place when plain row-major (MR row streams the prefetcher
+        # follows), or transposed when each C block has one column panel (its packed copy would
+        # be read only once)
+        a_inplace = alpha == 1.0 and (not ta or nc <= NR)
         nib, njb = (m + mc - 1) // mc, (n + nc - 1) // nc
         npc = max(1, (k + kc - 1) // kc)
         for t in prange(nib * njb):
             ib = t // njb
             i0, j0 = ib * mc, (t - ib * njb) * nc
             blk = (i0, min(mc, m - i0), j0, min(nc, n - j0))
-            apsize = (mc + MR - 1) // MR * MR * max(kc, 1)
+            apsize = (mc + MR - 1) // MR * _a_panel(max(kc, 1), MR)
             ap = ws[bsize + t * apsize:bsize + (t + 1) * apsize]
             tile = np.empty(MR * NR, np.float32)
             if beta != 0.0 and beta != 1.0:
@@ -239,8 +253,8 @@ def _gemm_factory(spec: KernelSpec):
             for pi in range(npc):
                 kpass = (pi * kc, min(kc, k - pi * kc))
                 _pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, MR)
-                mode = (a_inplace, inplace, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu)
-                _sweep_tiles(CODE, (aflat, ap), (bp, bflat), cf, tile, biasp, blk, kpass, (n, k, ps), mode)
+                mode = (a_inplace, ta, inplace, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu)
+                _sweep_tiles(CODE, (aflat, ap), (bp, bflat), cf, tile, biasp, blk, kpass, (m, n, k, ps), mode)
     return gemm_kernel
 
 
@@ -278,15 +292,17 @@ _DUMMY = np.zeros(1, np.float32)
 
 def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=False):
     """Run the driver with blocks = (mc, kc, nc) on validated, C-contiguous float32 arrays; c is
-    written and returned."""
+    written and returned. A C of one row or column goes to the matrix-vector kernels instead."""
     m, n = c.shape
     if m == 0 or n == 0:
         return c
+    if m == 1 or n == 1:  # a matrix-vector product: no tile would be more than one row or column full
+        return gemv_into(a, b, c, ta, tb, alpha=alpha, beta=beta, bias=bias, relu=relu)
     k = a.shape[0] if ta else a.shape[1]
     isa = host_target().isa
     mc, kc, nc = blocks
     mr, nr, _ = tile_for(isa)
-    need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * mr * max(kc, 1)
+    need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * (max(kc, 1) * mr + 16)
     args = (a, b, c, _DUMMY if bias is None else bias, _workspace(need), (m, n, k),
             (np.float32(alpha), np.float32(beta)), (mc, kc, nc), (bool(ta), bool(tb), bias is not None, bool(relu)))
     kern = _kernel(isa)
@@ -298,6 +314,24 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
         log.warning("gemm %s kernel failed to build (%s); using the portable scalar kernel", isa, e)
         _kernel("scalar")(*args)
     return c
+
+
+@jit(parallel=True)
+def transpose_into(src, dst):
+    """dst (n, m) = src (m, n).T: 16 x 16 blocks transposed in registers (rows of 16 floats
+    loaded, columns stored as 16-float vectors), the ragged edges element by element."""
+    m, n = src.shape
+    sf, df = src.reshape(m * n), dst.reshape(m * n)
+    rowaddr = addr_of(src) + 4 * n * np.arange(m, dtype=np.int64)  # byte address of each row of src
+    mb, nb = m // 16 * 16, n // 16 * 16
+    for bi in prange((m + 15) // 16):
+        i0 = bi * 16
+        if i0 < mb:
+            for j0 in range(0, nb, 16):
+                vtranspose16(rowaddr, i0, 4 * j0, df, j0 * m + i0, m)
+        for j in range(0 if i0 >= mb else nb, n):
+            for i in range(i0, min(m, i0 + 16)):
+                df[_u(j * m + i)] = sf[_u(i * n + j)]
 
 
 # --------------------------------------------------------------------------- ReLU gradient

@@ -4,10 +4,11 @@ Per sample the F x D block (F <= ~41, D <= ~256) fits in L1, so each thread copi
 vectors into a small scratch and does all its work there; the batch is split across threads.
   forward:  row i of the lower triangle, z[i, j] for j < i (+1), is one vector over j: the scratch
             holds the sample transposed (D, Fp) so that z[i, j0:j0+W] += T[i, d] * Tt[d, j0:j0+W]
-            is a broadcast FMA; a 4-row register tile shares every load. Only the triangle is written.
+            is a broadcast FMA; a 4-row register tile shares every load. Rows go whole into a
+            per-sample scratch, from which only the triangle is copied to z.
             The transpose is done 16 x 16 blocks at a time in registers when W = 16 and D % 16 == 0.
-  backward: dT = S @ T with S the symmetric F x F matrix built once from dz's triangle (instead of
-            the reference's dZ @ T + dZ^T @ T); a 4-row x W-lane register tile over D.
+  backward: dT = S @ T with S the symmetric F x F matrix of dz's triangle (instead of the
+            reference's dZ @ T + dZ^T @ T), read from dz in place; a 4-row x W-lane register tile.
 The vectors are LLVM `<W x float>` values made available to numba by codegen/vec.py, so LLVM keeps
 the accumulators in registers. Kernels take F and D as literals for the DLRM shapes
 (_SPECIALISED) and read them from the arguments otherwise: one generic kernel serves any shape.
@@ -26,7 +27,7 @@ import numpy as np
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
 from ..codegen.knobs import knob, pow2_class
-from ..codegen.vec import addr_of, f32_ptr, vadd, vfma, vlen, vload, vload_addr, vsplat, vstore, vtranspose16, vzero
+from ..codegen.vec import addr_of, f32_ptr, vadd, vfma, vload, vload_addr, vsplat, vstore, vtranspose16, vzero
 from . import _check
 
 # (F, D) classes the DLRM benchmarks and models use get kernels with F and D as literals
@@ -37,26 +38,15 @@ _SPECIALISED = {(27, 16), (27, 64), (27, 128), (9, 64)}
 
 
 @jit(inline="always")
-def _store_row(z, b, i, j0, D, off, a, g):
-    """z[b, row i of the triangle][j0: j0 + W] = a, storing only lanes inside the triangle's row.
-
-    A full vector store that runs past row i's end writes garbage into the following rows; that
-    is safe because (1) rows are stored in increasing order within a chunk and chunks in
-    decreasing order, so every such position is rewritten later by its own row, and (2) a store
-    that would run past the end of z[b] (which another thread may own) goes through g instead.
-    """
-    n = i + off                          # row i's length
-    if j0 >= n:
-        return
-    k = D + i * (i - 1) // 2 + i * off   # pairs in the rows above i
-    nz = z.shape[1]
-    w = vlen(a)
-    if k + j0 + w <= nz:
-        vstore(z, b * nz + k + j0, a)
-    else:
-        vstore(g, 0, a)
-        for j in range(j0, min(n, j0 + w)):
-            z[b, k + j] = g[j - j0]
+def _store_triangle(zf, base, zs, F, Fp, off):
+    """zf[base:] = the lower triangle of the sample's dot matrix zs (F, Fp), row by row: row i's
+    first i + off entries (off = 1 includes the diagonal)."""
+    k = base
+    for i in range(F):
+        row = i * Fp
+        for j in range(i + off):
+            zf[np.uint64(k + j)] = zs[np.uint64(row + j)]
+        k += i + off
 
 
 @kernel_factory("interaction_dot_forward")
@@ -70,9 +60,12 @@ def _dot_forward_factory(spec):
         # z: (B, D + P) output
         D = DC if DC > 0 else x.shape[1]
         F = FC if FC > 0 else addrs.shape[0] + 1
-        Fp = (F + W - 1) // W * W
+        Q = max(W, 4)  # whole vectors and whole 4-row tiles
+        Fp = (F + Q - 1) // Q * Q
         tt = np.zeros(D * Fp, np.float32)  # one sample transposed: (D, Fp), columns >= F stay 0
-        g = np.empty(W, np.float32)  # a chunk that would run past the end of z[b]
+        zs = np.empty(Fp * Fp, np.float32)  # the sample's dot matrix, rows whole (only the triangle is kept)
+        nz = z.shape[1]
+        zf = z.reshape(z.size)
         blocks = W == 16 and D % 16 == 0  # transpose 16 x 16 blocks in registers
         rowaddr = np.empty(Fp, np.int64)   # byte address of each row of the sample; pad rows -> 0s
         zeros = np.zeros(D, np.float32)
@@ -95,25 +88,22 @@ def _dot_forward_factory(spec):
                     for d in range(D):
                         tt[d * Fp + t + 1] = row[d]
             for i0 in range(0, F, 4):
-                # rows past F repeat row F-1: computed, never stored
-                i1, i2, i3 = min(i0 + 1, F - 1), min(i0 + 2, F - 1), min(i0 + 3, F - 1)
-                # lanes the tile's longest row needs, last chunk first (see _store_row)
-                for j0 in range((i3 + off - 1) // W * W, -1, -W):
+                # rows i0..i0+3 (those past F are zeros of tt, computed and never stored), the lanes
+                # the tile's longest row needs; whole vectors into zs, no partial stores
+                for j0 in range(0, i0 + 3 + off, W):
                     a0 = a1 = a2 = a3 = vzero(W)
                     for d in range(D):
                         col = d * Fp
                         v = vload(tt, col + j0, W)
                         a0 = vfma(vsplat(tt[col + i0], W), v, a0)
-                        a1 = vfma(vsplat(tt[col + i1], W), v, a1)
-                        a2 = vfma(vsplat(tt[col + i2], W), v, a2)
-                        a3 = vfma(vsplat(tt[col + i3], W), v, a3)
-                    _store_row(z, b, i0, j0, D, off, a0, g)
-                    if i0 + 1 < F:
-                        _store_row(z, b, i0 + 1, j0, D, off, a1, g)
-                    if i0 + 2 < F:
-                        _store_row(z, b, i0 + 2, j0, D, off, a2, g)
-                    if i0 + 3 < F:
-                        _store_row(z, b, i0 + 3, j0, D, off, a3, g)
+                        a1 = vfma(vsplat(tt[col + i0 + 1], W), v, a1)
+                        a2 = vfma(vsplat(tt[col + i0 + 2], W), v, a2)
+                        a3 = vfma(vsplat(tt[col + i0 + 3], W), v, a3)
+                    vstore(zs, i0 * Fp + j0, a0)
+                    vstore(zs, (i0 + 1) * Fp + j0, a1)
+                    vstore(zs, (i0 + 2) * Fp + j0, a2)
+                    vstore(zs, (i0 + 3) * Fp + j0, a3)
+            _store_triangle(zf, b * nz + D, zs, F, Fp, off)
     return dot_forward
 
 
@@ -136,28 +126,45 @@ def _gather_sample(buf, x, addrs, b, stride, T, D, Dp, W):
 
 
 @jit(inline="always")
-def _symmetric_dz(s, dz, b, F, D, off):
-    """s (F, F) = sample b's pair gradients dz[b, D:] as a symmetric matrix; its diagonal is twice
-    the diagonal pair's gradient with self-interaction (off = 1), else 0."""
-    k = D
-    for i in range(F):
-        for j in range(i + off):
-            s[i * F + j] = s[j * F + i] = dz[b, k]
-            k += 1
-        s[i * F + i] = 2 * dz[b, k - 1] if off else np.float32(0.0)
+def _u(i):
+    """An index as unsigned: numba then skips the negative-index wraparound (a shift, an and and
+    an add per load in the tile loops)."""
+    return np.uint64(i)
 
 
 @jit(inline="always")
-def _store_padded(o, dz, dx, dly, b, i0, F, D, Dp):
-    """Rows i0.. i0 + 3 (those < F) of sample b's gradient, held in o (4, Dp), without their pad
-    lanes: row 0 (plus dz's copy of x) to dx[b], row i to dly[i - 1, b]."""
-    for q in range(min(4, F - i0)):
-        i = i0 + q
+def _tri(i, off):
+    """Where row i of the pair triangle starts in a sample's pair gradients (rows of i + off)."""
+    return i * (i - 1) // 2 + i * off
+
+
+@jit(inline="always")
+def _diagonal_blocks(sd, dzf, base, F, off):
+    """sd[16 t + 4 q + c] = S[4 t + q, 4 t + c]: the 4 x 4 diagonal blocks of the sample's symmetric
+    pair-gradient matrix S (S[i, j] = S[j, i] = dz of pair (i, j), j < i; S[i, i] is twice the
+    diagonal pair's with self-interaction (off = 1), else 0), whose triangle is at dzf[base:];
+    entries of rows or columns >= F are 0."""
+    sd[:] = 0.0
+    for i in range(F):
+        i0, q = i // 4 * 4, i % 4
+        row = base + _tri(i, off) + i0
+        for c in range(q):
+            sd[_u(i0 * 4 + q * 4 + c)] = sd[_u(i0 * 4 + c * 4 + q)] = dzf[_u(row + c)]
+        if off:
+            sd[_u(i0 * 4 + q * 5)] = 2 * dzf[_u(row + q)]
+
+
+@jit(inline="always")
+def _store_rows(g, dzf, dx, dly, b, F, D, Dp):
+    """Sample b's gradient rows, held in g (F, Dp) when D is not a whole number of vectors: row 0
+    (plus dz's copy of x, at dzf[b * (D + P)]) to dx[b], row i to dly[i - 1, b], pad lanes not
+    stored."""
+    nz = dzf.size // dx.shape[0]
+    for d in range(D):
+        dx[b, d] = g[d] + dzf[b * nz + d]
+    for i in range(1, F):
         for d in range(D):
-            if i == 0:
-                dx[b, d] = o[d] + dz[b, d]
-            else:
-                dly[i - 1, b, d] = o[q * Dp + d]
+            dly[i - 1, b, d] = g[i * Dp + d]
 
 
 @kernel_factory("interaction_dot_backward")
@@ -167,46 +174,59 @@ def _dot_backward_factory(spec):
     @jit()
     def dot_backward(b0, b1, dz, x, addrs, stride, off, dx, dly):
         # samples b0 <= b < b1 of dz: (B, D + P); x, addrs, stride, off as in the forward;
-        # dx: (B, D), dly: (T, B, D) outputs (table-major: each table's (B, D) gradient is contiguous)
+        # dx: (B, D), dly: (T, B, D) outputs (table-major: each table's (B, D) gradient is contiguous).
+        # dT = S @ T per sample, S read straight from dz's triangle: S[i, j] for j < i is row i of
+        # the triangle, for j > i the 4 adjacent entries [i0, i0 + 4) of row j (a 4-row tile)
         D = DC if DC > 0 else x.shape[1]
         F = FC if FC > 0 else addrs.shape[0] + 1
-        T = F - 1
-        NB = dly.shape[1]
         Dp = (D + W - 1) // W * W
-        full = D == Dp  # rows go straight to dx/dly; else through o (pad lanes must not be stored)
-        buf = np.zeros(F * Dp, np.float32)     # one sample: (F, Dp), pad lanes stay 0
-        s = np.zeros((F + 3) * F, np.float32)  # symmetric dZ, 3 zero rows for the last tile
-        o = np.empty(4 * Dp, np.float32)
+        Fq = (F + 3) // 4 * 4
+        buf = np.zeros(F * Dp, np.float32)  # one sample: (F, Dp), pad lanes stay 0
+        g = np.empty(Fq * Dp, np.float32)   # its gradient rows (and up to 3 rows past F, not stored)
+        sd = np.empty(Fq * 4, np.float32)   # S's 4 x 4 diagonal blocks
+        nz, nb = dz.shape[1], dly.shape[1]
+        dzf, dxf, dlyf = dz.reshape(dz.size), dx.reshape(dx.size), dly.reshape(dly.size)
+        full = D == Dp  # rows go straight to dx / dly; else through g (pad lanes must not be stored)
         for b in range(b0, b1):
-            _gather_sample(buf, x, addrs, b, stride, T, D, Dp, W)
-            _symmetric_dz(s, dz, b, F, D, off)
+            _gather_sample(buf, x, addrs, b, stride, F - 1, D, Dp, W)
+            base = b * nz + D
+            _diagonal_blocks(sd, dzf, base, F, off)
             for i0 in range(0, F, 4):
+                # rows past F read row F-1's pairs: computed, never stored
+                r0, r1 = base + _tri(i0, off), base + _tri(min(i0 + 1, F - 1), off)
+                r2, r3 = base + _tri(min(i0 + 2, F - 1), off), base + _tri(min(i0 + 3, F - 1), off)
                 for j0 in range(0, Dp, W):
                     a0 = a1 = a2 = a3 = vzero(W)
-                    for j in range(F):
+                    for j in range(i0):
                         v = vload(buf, j * Dp + j0, W)
-                        a0 = vfma(vsplat(s[i0 * F + j], W), v, a0)
-                        a1 = vfma(vsplat(s[(i0 + 1) * F + j], W), v, a1)
-                        a2 = vfma(vsplat(s[(i0 + 2) * F + j], W), v, a2)
-                        a3 = vfma(vsplat(s[(i0 + 3) * F + j], W), v, a3)
-                    if full:
+                        a0, a1 = vfma(vsplat(dzf[_u(r0 + j)], W), v, a0), vfma(vsplat(dzf[_u(r1 + j)], W), v, a1)
+                        a2, a3 = vfma(vsplat(dzf[_u(r2 + j)], W), v, a2), vfma(vsplat(dzf[_u(r3 + j)], W), v, a3)
+                    for j in range(i0, min(i0 + 4, F)):
+                        v, c = vload(buf, j * Dp + j0, W), i0 * 4 + j - i0
+                        a0, a1 = vfma(vsplat(sd[_u(c)], W), v, a0), vfma(vsplat(sd[_u(c + 4)], W), v, a1)
+                        a2, a3 = vfma(vsplat(sd[_u(c + 8)], W), v, a2), vfma(vsplat(sd[_u(c + 12)], W), v, a3)
+                    for j in range(i0 + 4, F):
+                        v, t = vload(buf, j * Dp + j0, W), base + _tri(j, off) + i0
+                        a0, a1 = vfma(vsplat(dzf[_u(t)], W), v, a0), vfma(vsplat(dzf[_u(t + 1)], W), v, a1)
+                        a2, a3 = vfma(vsplat(dzf[_u(t + 2)], W), v, a2), vfma(vsplat(dzf[_u(t + 3)], W), v, a3)
+                    if full:  # straight to dx / dly, among the FMAs (rows past F are not stored)
                         if i0 == 0:
-                            vstore(dx, b * D + j0, vadd(a0, vload(dz, b * dz.shape[1] + j0, W)))
+                            vstore(dxf, b * D + j0, vadd(a0, vload(dzf, b * nz + j0, W)))
                         else:
-                            vstore(dly, ((i0 - 1) * NB + b) * D + j0, a0)
+                            vstore(dlyf, ((i0 - 1) * nb + b) * D + j0, a0)
                         if i0 + 1 < F:
-                            vstore(dly, (i0 * NB + b) * D + j0, a1)
+                            vstore(dlyf, (i0 * nb + b) * D + j0, a1)
                         if i0 + 2 < F:
-                            vstore(dly, ((i0 + 1) * NB + b) * D + j0, a2)
+                            vstore(dlyf, ((i0 + 1) * nb + b) * D + j0, a2)
                         if i0 + 3 < F:
-                            vstore(dly, ((i0 + 2) * NB + b) * D + j0, a3)
+                            vstore(dlyf, ((i0 + 2) * nb + b) * D + j0, a3)
                     else:
-                        vstore(o, j0, a0)
-                        vstore(o, Dp + j0, a1)
-                        vstore(o, 2 * Dp + j0, a2)
-                        vstore(o, 3 * Dp + j0, a3)
-                if not full:
-                    _store_padded(o, dz, dx, dly, b, i0, F, D, Dp)
+                        vstore(g, i0 * Dp + j0, a0)
+                        vstore(g, (i0 + 1) * Dp + j0, a1)
+                        vstore(g, (i0 + 2) * Dp + j0, a2)
+                        vstore(g, (i0 + 3) * Dp + j0, a3)
+            if not full:
+                _store_rows(g, dzf, dx, dly, b, F, D, Dp)
     return dot_backward
 
 
