@@ -65,8 +65,9 @@ def bf16_round(x):
 
 
 def _values(x):
-    """float64 values of a BF16Array or an array."""
-    return (x.to_float32() if isinstance(x, BF16Array) else np.asarray(x, np.float32)).astype(np.float64)
+    """float64 values of a BF16Array or an array (a signalling NaN widens to a quiet one, as in fp32 adds)."""
+    with np.errstate(invalid="ignore"):
+        return (x.to_float32() if isinstance(x, BF16Array) else np.asarray(x, np.float32)).astype(np.float64)
 
 
 def _result(y, dtype):
