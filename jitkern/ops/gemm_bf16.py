@@ -17,7 +17,7 @@ from ..codegen.knobs import knob, pow2_class
 from ..config import choice_token
 from . import _check
 from .bf16 import BF16Array
-from .gemm_bf16_kernel import bf16_tile, gemm_bf16_into, relu_grad_bf16
+from .gemm_bf16_kernel import bf16_tile, gemm_bf16_into, grad_buffer, relu_grad_bf16
 
 VARIANTS = ("gemm", "linear_forward", "linear_dx", "linear_dw", "linear_dwt")
 OUT_DTYPES = (None, "float32", "bfloat16")
@@ -244,7 +244,7 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
         y = _grad_operand("y", y, dy.shape)
     db = np.empty(m, np.float32)
     write_g = relu or dy.dtype != np.uint16
-    g = np.empty((n, m), np.uint16) if write_g else dy
+    g = grad_buffer(n * m).reshape(n, m) if write_g else dy
     if n * m:
         relu_grad_bf16(dy, y if relu else dy, g, db, (relu, write_g))
     else:

@@ -54,23 +54,32 @@ def _pair_pack_b_columns(bp, bflat, p, geo, nr):
 
 
 @jit(inline="always")
-def _pair_pack_b_rows(bp, bflat, kb, geo, nr):
+def _pair(lo, hi):
+    """Two bf16 values as one 32-bit word, lo first in memory (the order vdpbf16ps pairs them in)."""
+    return np.uint32(lo) | np.uint32(hi) << np.uint32(16)
+
+
+@jit(inline="always")
+def _pair_pack_b_rows(bp32, bflat, kb, geo, nr):
     """k pairs 32 kb .. 32 kb + 31 of B (k, n), every panel: rows 2 kp and 2 kp + 1 interleaved
-    column by column; a missing odd row and columns past n zeroed. geo = (n, k, ps)."""
+    column by column, as 32-bit words (bp32: the panels viewed as uint32); a missing odd row and
+    columns past n zeroed. geo = (n, k, ps)."""
     n, k, ps = geo
     npan = (n + nr - 1) // nr
     for kp in range(kb * 32, min((k + 1) // 2, kb * 32 + 32)):
         r0, r1 = 2 * kp * n, (2 * kp + 1) * n
-        second = 2 * kp + 1 < k
         for p in range(npan):
-            base = p * ps + kp * 2 * nr
+            base = (p * ps >> 1) + kp * nr
             col = p * nr
             width = min(nr, n - col)
-            for r in range(width):
-                bp[_u(base + 2 * r)] = bflat[_u(r0 + col + r)]
-                bp[_u(base + 2 * r + 1)] = bflat[_u(r1 + col + r)] if second else np.uint16(0)
-            for r in range(2 * width, 2 * nr):
-                bp[_u(base + r)] = 0
+            if 2 * kp + 1 < k:
+                for r in range(width):
+                    bp32[_u(base + r)] = _pair(bflat[_u(r0 + col + r)], bflat[_u(r1 + col + r)])
+            else:
+                for r in range(width):
+                    bp32[_u(base + r)] = np.uint32(bflat[_u(r0 + col + r)])
+            for r in range(width, nr):
+                bp32[_u(base + r)] = 0
 
 
 @jit(inline="always")
@@ -89,12 +98,17 @@ def _pair_pack_a_block(ap, aflat, blk, kpass, geo, ta, mr):
         ibase = i0 + ip * mr
         if not ta and rows == mr:
             continue  # read in place by the tile
-        if ta:  # each k reads `rows` contiguous values
-            for kk in range(kcb):
-                src = (p0 + kk) * m + ibase
-                d = dst + (kk >> 1) * 2 * mr + (kk & 1)
+        if ta:  # each k pair reads `rows` contiguous values from two rows of a
+            ap32 = ap.view(np.uint32)
+            for kp in range(kcb >> 1):
+                src = (p0 + 2 * kp) * m + ibase
+                d = (dst >> 1) + kp * mr
                 for r in range(rows):
-                    ap[_u(d + 2 * r)] = aflat[_u(src + r)]
+                    ap32[_u(d + r)] = _pair(aflat[_u(src + r)], aflat[_u(src + m + r)])
+            if kcb & 1:
+                src = (p0 + kcb - 1) * m + ibase
+                for r in range(rows):
+                    ap[_u(dst + (kcb >> 1) * 2 * mr + 2 * r)] = aflat[_u(src + r)]
         else:
             for r in range(rows):
                 src = (ibase + r) * k + p0
@@ -280,8 +294,9 @@ def _gemm_bf16_factory(spec: KernelSpec):
         bsize = npan * ps
         bp, bflat, aflat, cf = ws[:bsize], b.reshape(b.size), a.reshape(a.size), c.reshape(m * n)
         if NATIVE and not tb:
+            bp32 = bp.view(np.uint32)
             for kb in prange(((k + 1) // 2 + 31) // 32):
-                _pair_pack_b_rows(bp, bflat, kb, (n, k, ps), NR)
+                _pair_pack_b_rows(bp32, bflat, kb, (n, k, ps), NR)
         elif NATIVE:
             for p in prange(npan):
                 _pair_pack_b_columns(bp, bflat, p, (n, k, ps), NR)
@@ -365,6 +380,12 @@ def _buffer(name: str, dtype, size: int) -> np.ndarray:
     return buf
 
 
+def grad_buffer(size: int) -> np.ndarray:
+    """This thread's uint16 buffer for the masked bf16 output gradient (consumed before
+    linear_backward returns): multi-MB buffers allocated per call would pay their page faults."""
+    return _buffer("grad", np.uint16, size)[:size]
+
+
 _DUMMY_F32 = np.zeros(1, np.float32)
 
 
@@ -399,7 +420,8 @@ _GRAD_CHUNKS = 16  # as ops/gemm_kernel.relu_grad: a fixed count, so sums never 
 @jit(parallel=True)
 def relu_grad_bf16(dy, y, g, db, flags):
     """g = bf16(dy where y > 0 else 0) (or bf16(dy) without relu), db[j] = sum_i of the unrounded
-    masked dy[i, j]; flags = (relu, write_g): without write_g, g is not touched (dy is bf16 already).
+    masked dy[i, j]; flags = (relu, write_g): g is written if relu or write_g (without either, dy
+    is bf16 already and is the GEMMs' operand).
 
     dy, y: (n, m) float32 or uint16 bf16 bits; g: (n, m) uint16; db: (m,) float32. Chunks of rows
     sum in order (float64), then the chunks are added in order, as relu_grad.
@@ -412,13 +434,19 @@ def relu_grad_bf16(dy, y, g, db, flags):
         acc = part[c]
         for i in range(c * n // _GRAD_CHUNKS, (c + 1) * n // _GRAD_CHUNKS):
             row = i * m
-            for j in range(m):
-                v = widen(dyf[_u(row + j)])
-                if relu and not widen(yf[_u(row + j)]) > 0:
-                    v = np.float32(0.0)
-                if write_g:
+            if relu:  # a select once vectorised; NaN/inf in dy vanish where the unit was inactive
+                for j in range(m):
+                    v = widen(dyf[_u(row + j)]) if widen(yf[_u(row + j)]) > 0 else np.float32(0.0)
                     gf[_u(row + j)] = round_bf16(v)
-                acc[_u(j)] += np.float64(v)
+                    acc[_u(j)] += np.float64(v)
+            elif write_g:
+                for j in range(m):
+                    v = widen(dyf[_u(row + j)])
+                    gf[_u(row + j)] = round_bf16(v)
+                    acc[_u(j)] += np.float64(v)
+            else:
+                for j in range(m):
+                    acc[_u(j)] += np.float64(widen(dyf[_u(row + j)]))
     for j in range(m):
         s = 0.0
         for c in range(_GRAD_CHUNKS):
