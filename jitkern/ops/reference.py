@@ -67,7 +67,7 @@ def bf16_round(x):
 def _values(x):
     """float64 values of a BF16Array or an array (a signalling NaN widens to a quiet one, as in fp32 adds)."""
     with np.errstate(invalid="ignore"):
-        return (x.to_float32() if isinstance(x, BF16Array) else np.asarray(x, np.float32)).astype(np.float64)
+        return np.asarray(x.to_float32() if isinstance(x, BF16Array) else x, np.float64)
 
 
 def _result(y, dtype):
@@ -215,6 +215,12 @@ def _stack(x, ly):
     return np.concatenate([np.asarray(x)[:, None, :], ly], axis=1)  # (B, F, D)
 
 
+def _stack_values(x, ly):
+    """(B, F, D) float64 values of x and ly (float32 or BF16Array)."""
+    ly = np.stack([_values(a) for a in ly], axis=1) if isinstance(ly, (list, tuple)) else _values(ly)
+    return np.concatenate([_values(x)[:, None, :], ly], axis=1)
+
+
 def interaction_pairs(num_features, self_interaction=False):
     """(li, lj) index arrays of the reference DLRM's pair order: i ascending, then j ascending."""
     off = 1 if self_interaction else 0
@@ -223,19 +229,20 @@ def interaction_pairs(num_features, self_interaction=False):
     return li, lj
 
 
-def interaction_dot_forward(x, ly, *, self_interaction=False):
-    """z = [x, tril(T T^t)] with T = [x, ly_0..]; x: (B, D), ly: (B, T, D) -> (B, D + P)."""
-    t = _stack(x, ly).astype(np.float64)
+def interaction_dot_forward(x, ly, *, self_interaction=False, out_dtype=None):
+    """z = [x, tril(T T^t)] with T = [x, ly_0..]; x: (B, D), ly: (B, T, D) -> (B, D + P) (a BF16Array
+    with out_dtype="bfloat16"; inputs float32 or BF16Array)."""
+    t = _stack_values(x, ly)
     zz = t @ t.transpose(0, 2, 1)
     li, lj = interaction_pairs(t.shape[1], self_interaction)
-    return np.concatenate([np.asarray(x, np.float64), zz[:, li, lj]], axis=1).astype(np.float32)
+    return _result(np.concatenate([t[:, 0, :], zz[:, li, lj]], axis=1), out_dtype)
 
 
 def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
     """Gradients of interaction_dot_forward: dx (B, D), dly (B, T, D)."""
-    t = _stack(x, ly).astype(np.float64)
+    t = _stack_values(x, ly)
     b, f, d = t.shape
-    dz = np.asarray(dz, np.float64)
+    dz = _values(dz)
     li, lj = interaction_pairs(f, self_interaction)
     dzz = np.zeros((b, f, f))
     np.add.at(dzz, (slice(None), li, lj), dz[:, d:])
