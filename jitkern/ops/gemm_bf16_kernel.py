@@ -191,21 +191,22 @@ def _edge_dp(code, kcb, a_op, b_op, cin, cout, bias_op, flags, scratch, cut):
 
 
 @jit(inline="always")
-def _sweep_dp(code, a_src, b_src, cin, cout, scratch, blk, kpass, geo, flags):
+def _sweep_dp(code, a_src, b_src, acc, out, scratch, blk, kpass, geo, flags):
     """One K pass of one C block with the native tile. a_src = (flat A, packed A block), b_src =
-    (packed B, bias zero-padded to whole panels); cin / cout = (flat array, offset of the block's
-    first element, row stride); blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (k, ps);
-    flags = (load, epi, use_bias, relu, a_inplace)."""
+    (packed B, bias zero-padded to whole panels); acc: where partial sums live between K passes,
+    out: C (each (flat array, offset of the block's first element, row stride)); the last pass reads
+    acc and writes out. blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (k, ps); scratch = (fp32
+    tile, tile of C's dtype); flags = (load, last, use_bias, relu, a_inplace)."""
     mr, nr = bf16_tile_dims(code)
     aflat, ap = a_src
     bp, biasp = b_src
-    cf, cio, cld = cin
-    of, oo, old = cout
+    af, ao, ald = acc
+    of, oo, old = out
     i0, mcb, j0, ncb = blk
     p0, kcb = kpass
     k, ps = geo
-    load, epi, use_bias, relu, a_inplace = flags
-    tflags = (load, epi, use_bias, relu)
+    load, last, use_bias, relu, a_inplace = flags
+    tflags = (load, last, use_bias, relu)
     kcp = (kcb + 1) // 2 * 2
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
@@ -214,16 +215,19 @@ def _sweep_dp(code, a_src, b_src, cin, cout, scratch, blk, kpass, geo, flags):
         for ip in range((mcb + mr - 1) // mr):
             ii = i0 + ip * mr
             mrem = min(mr, i0 + mcb - ii)
-            if a_inplace and mrem == mr:
-                a_op = (aflat, ii * k + p0, 2, k)
-            else:
-                a_op = (ap, ip * kcp * mr, 2 * mr, 2)
-            t_in = (cf, cio + (ii - i0) * cld + jj - j0, cld)
+            a_op = (aflat, ii * k + p0, 2, k) if a_inplace and mrem == mr else (ap, ip * kcp * mr, 2 * mr, 2)
+            t_acc = (af, ao + (ii - i0) * ald + jj - j0, ald)
             t_out = (of, oo + (ii - i0) * old + jj - j0, old)
-            if mrem == mr and nrem == nr:
-                dp_tile(code, kcb, a_op, b_op, t_in, t_out, (biasp, jj), tflags)
+            whole = mrem == mr and nrem == nr
+            if last and whole:
+                dp_tile(code, kcb, a_op, b_op, t_acc, t_out, (biasp, jj), tflags)
+            elif last:
+                _edge_dp(code, kcb, a_op, b_op, t_acc, t_out, (biasp, jj), tflags, scratch, (mrem, nrem))
+            elif whole:
+                dp_tile(code, kcb, a_op, b_op, t_acc, t_acc, (biasp, jj), tflags)
             else:
-                _edge_dp(code, kcb, a_op, b_op, t_in, t_out, (biasp, jj), tflags, scratch, (mrem, nrem))
+                _edge_dp(code, kcb, a_op, b_op, t_acc, t_acc, (biasp, jj), tflags, (scratch[0], scratch[0]),
+                         (mrem, nrem))
 
 
 @jit(inline="always")
@@ -237,7 +241,7 @@ def _sweep_fma(code, ap, b_src, c_op, scratch, blk, kpass, geo, flags):
     p0, kcb = kpass
     k, ps = geo
     load = flags[0]
-    tflags = (flags[0], flags[1], flags[2], flags[3])
+    tflags = (flags[0], flags[1], flags[2], flags[3])  # (load, last: the epilogue, use_bias, relu)
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
         nrem = min(nr, j0 + ncb - jj)
@@ -314,34 +318,23 @@ def _gemm_bf16_factory(spec: KernelSpec):
             i0, j0 = ib * mc, (t - ib * njb) * nc
             blk = (i0, min(mc, m - i0), j0, min(nc, n - j0))
             ap = ws[bsize + t * apsize:bsize + (t + 1) * apsize]
-            pt = part[t * mc * nc:(t + 1) * mc * nc] if OUT_BF16 else part
-            ftile = np.empty(MR * NR, np.float32)
-            otile = np.empty(MR * NR, c.dtype)
+            if OUT_BF16:  # partial sums between K passes: an fp32 block of this task's own
+                acc = (part[t * mc * nc:(t + 1) * mc * nc], 0, nc)
+            else:
+                acc = (cf, i0 * n + j0, n)
+            scratch = (np.empty(MR * NR, np.float32), np.empty(MR * NR, c.dtype))
             for pi in range(npc):
                 kpass = (pi * kc, min(kc, k - pi * kc))
-                last = pi == npc - 1
-                mode = (pi > 0, last, use_bias, relu)
+                fl = (pi > 0, pi == npc - 1, use_bias, relu, not ta)
                 if NATIVE:
                     _pair_pack_a_block(ap, aflat, blk, kpass, (m, k), ta, MR)
-                    fl = (pi > 0, last, use_bias, relu, not ta)
-                    geo = (k, ps)
-                    if not OUT_BF16:
-                        cio = (cf, i0 * n + j0, n)
-                        _sweep_dp(CODE, (aflat, ap), (bp, biasp), cio, cio, (ftile, ftile), blk, kpass, geo, fl)
-                    elif last:
-                        _sweep_dp(CODE, (aflat, ap), (bp, biasp), (pt, 0, nc), (cf, i0 * n + j0, n),
-                                  (ftile, otile), blk, kpass, geo, fl)
-                    else:
-                        _sweep_dp(CODE, (aflat, ap), (bp, biasp), (pt, 0, nc), (pt, 0, nc), (ftile, ftile), blk,
-                                  kpass, geo, fl)
+                    _sweep_dp(CODE, (aflat, ap), (bp, biasp), acc, (cf, i0 * n + j0, n), scratch, blk, kpass,
+                              (k, ps), fl)
                 else:
                     _widen_pack_a_block(ap, aflat, blk, kpass, (m, k), ta, MR)
-                    if OUT_BF16:
-                        _sweep_fma(CODE, ap, (bp, biasp), (pt, 0, nc), ftile, blk, kpass, (k, ps), mode)
-                    else:
-                        _sweep_fma(CODE, ap, (bp, biasp), (cf, i0 * n + j0, n), ftile, blk, kpass, (k, ps), mode)
+                    _sweep_fma(CODE, ap, (bp, biasp), acc, scratch[0], blk, kpass, (k, ps), fl)
             if OUT_BF16 and not NATIVE:
-                _round_block(cf, pt, blk, n, nc)
+                _round_block(cf, acc[0], blk, n, nc)
     return gemm_bf16_kernel
 
 
