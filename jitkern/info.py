@@ -14,9 +14,11 @@ def describe() -> list[tuple[str, str]]:
     from .codegen.simd import tile_for
     from .codegen.tunedb import db_key, entries
     from .config import get_config
+    from .ops.gemm_bf16_kernel import bf16_tile
 
     cfg, t = get_config(), target.host_target()
     mr, nr, vw = tile_for(t.isa)
+    native, bmr, bnr, _ = bf16_tile()
     try:
         layer = numba.threading_layer()
     except ValueError:  # no parallel kernel has run yet: say what numba would pick
@@ -28,8 +30,10 @@ def describe() -> list[tuple[str, str]]:
         ("cpu", f"{t.name} ({t.arch})"),
         ("isa", f"{t.isa} (detected {t.detected_isa}), {vw} floats/vector, GEMM tile {mr}x{nr}"),
         ("numba compiles for", target.numba_cpu_name()),
-        ("bf16 dot product", "yes (avx512bf16: vdpbf16ps)" if t.has("avx512bf16") else
-         "no: bf16 is widened to fp32 (bf16 saves memory and bandwidth here, not FLOPs)"),
+        ("bf16 dot product", f"yes (avx512bf16): bf16 GEMMs on a vdpbf16ps {bmr}x{bnr} tile, "
+         "2x the fp32 FMA rate" if native else
+         "no: bf16 GEMM operands are widened to fp32 for the fp32 tile (bf16 saves memory and bandwidth "
+         "here, not FLOPs)"),
         ("caches", f"L1d {t.l1d >> 10} KiB, L2 {t.l2 >> 10} KiB, L3 {t.l3 >> 20} MiB"
          + (" (JITKERN_CACHE_SIZES)" if t.cache_override else "")),
         ("threading layer", layer),

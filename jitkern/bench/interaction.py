@@ -15,6 +15,7 @@ import numpy as np
 
 from ..codegen import host_target, jit
 from ..codegen import vec as V
+from ..codegen.simd_bf16 import dp_peak_loop
 from ..ops import interaction as K
 from ..ops.reference import interaction_pairs
 from .common import blas_description, do_bench, print_table, set_threads, torch_or_none
@@ -102,6 +103,21 @@ def fma_peak_gflops(n=2_000_000, reps=7):
         loop(np.float32(0.5), n)
         best = min(best, time.thread_time() - t0)
     return flops / best / 1e9
+
+
+@jit()
+def _dp_loop(x, n):
+    # 12 independent vdpbf16ps chains (AVX512_BF16 only)
+    return dp_peak_loop(n, x)
+
+
+def bf16_peak_gflops(n=2_000_000):
+    """This core's measured bf16 dot-product throughput in GFLOP/s (vdpbf16ps: 16 lanes x 2 products,
+    2 flops each), or None where the target has no bf16 dot product."""
+    if not host_target().has("avx512bf16"):
+        return None
+    t = do_bench(lambda: _dp_loop(np.float32(0.5), n), warmup=1, min_reps=5, min_time=0.2)
+    return 12 * 16 * 4 * n / t.median / 1e9
 
 
 def _best_of(rounds, fns):

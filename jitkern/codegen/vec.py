@@ -2,16 +2,22 @@
 transpose as LLVM vector operations, so accumulators stay in registers. W is any compile-time
 constant: LLVM splits a vector wider than the ISA's registers (16 lanes: one zmm, two ymm or four
 NEON registers) and W = 1 is plain scalar code. Used by the interaction kernels.
+`vget` / `vput` / `vget_addr` / `ptr_like` / `put` take float32 arrays as they are and uint16 arrays
+as bf16 bits, widened on load and rounded on store (codegen.simd_bf16's rounding), so one kernel
+source serves fp32 and bf16 data.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, models, register_model
+from numba.extending import intrinsic, models, overload, register_model
 
-__all__ = ["addr_of", "f32_ptr", "vadd", "vfma", "vlen", "vload", "vload_addr", "vsplat", "vstore", "vtranspose16",
-           "vzero"]
+from .simd_bf16 import emit_round, emit_widen, round_bf16
+
+__all__ = ["addr_of", "f32_ptr", "ptr_like", "put", "vadd", "vfma", "vget", "vget_addr", "vlen", "vload", "vload_addr",
+           "vput", "vsplat", "vstore", "vtranspose16", "vzero"]
 
 
 class _F32Vec(types.Type):
@@ -193,3 +199,89 @@ def f32_ptr(typingctx, addr):
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
     return types.CPointer(types.float32)(addr), codegen
+
+
+# --------------------------------------------------------------------------- float32 or bf16 data
+
+_ELEMS = {types.float32: ir.FloatType(), types.uint16: ir.IntType(16)}
+
+
+def _elem_of(ty):
+    """LLVM element type of an array type (or of `like`) holding float32 or bf16 bits, else None."""
+    return _ELEMS.get(ty.dtype) if isinstance(ty, types.Array) else None
+
+
+def _as_float(builder, value, elem):
+    return emit_widen(builder, value) if elem == ir.IntType(16) else value
+
+
+@intrinsic
+def vget(typingctx, arr, idx, w):
+    """arr.flat[idx: idx + w] as a float vector; arr float32, or uint16 bf16 bits (widened)."""
+    n, elem = _width(w), _elem_of(arr)
+    if n is None or elem is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        p = builder.bitcast(builder.gep(data, [args[1]]), ir.PointerType(ir.VectorType(elem, n)))
+        return _as_float(builder, builder.load(p, align=2), elem)
+    return _F32Vec(n)(arr, idx, w), codegen
+
+
+@intrinsic
+def vget_addr(typingctx, like, addr, w):
+    """The w elements of like's dtype (float32, or uint16 bf16 bits) at byte address addr, as a float vector."""
+    n, elem = _width(w), _elem_of(like)
+    if n is None or elem is None or not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[1], ir.PointerType(ir.VectorType(elem, n)))
+        return _as_float(builder, builder.load(p, align=2), elem)
+    return _F32Vec(n)(like, addr, w), codegen
+
+
+@intrinsic
+def vput(typingctx, arr, idx, v):
+    """arr.flat[idx: idx + n] = v; arr float32, or uint16 (v rounded to bf16 bits)."""
+    elem = _elem_of(arr)
+    if not isinstance(v, _F32Vec) or elem is None:
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        p = builder.bitcast(builder.gep(data, [args[1]]), ir.PointerType(ir.VectorType(elem, v.n)))
+        builder.store(emit_round(builder, args[2]) if elem == ir.IntType(16) else args[2], p, align=2)
+        return context.get_dummy_value()
+    return types.none(arr, idx, v), codegen
+
+
+@intrinsic
+def ptr_like(typingctx, like, addr):
+    """The byte address addr as a pointer to like's dtype (for numba.carray views)."""
+    if _elem_of(like) is None or not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[1], ir.PointerType(_elem_of(like)))
+    return types.CPointer(like.dtype)(like, addr), codegen
+
+
+def put(arr, i, v):
+    """arr[i] = float32 v; into a uint16 array as bf16 bits (rounded) (njit only)."""
+    raise NotImplementedError("put is callable from njit code only")
+
+
+@overload(put, inline="always")
+def _put_impl(arr, i, v):
+    if _elem_of(arr) is None:
+        return None
+    if arr.dtype == types.uint16:
+        def put_bf16(arr, i, v):
+            arr[i] = round_bf16(np.float32(v))
+        return put_bf16
+
+    def put_f32(arr, i, v):
+        arr[i] = v
+    return put_f32

@@ -1,4 +1,5 @@
 """Public kernels: checked wrappers over generated code. References live in ops.reference."""
+from .bf16 import BF16Array
 from .embedding import (
     SplitBF16Table,
     embedding_bag_adagrad_,
@@ -19,7 +20,7 @@ from .optim import sgd_
 from .embedding.quantized import QuantizedTable, embedding_bag_quantized_forward, quantize_rowwise
 
 __all__ = [
-    "batch_reduce_gemm", "embedding_bag_adagrad_", "embedding_bag_backward", "embedding_bag_forward",
+    "BF16Array", "batch_reduce_gemm", "embedding_bag_adagrad_", "embedding_bag_backward", "embedding_bag_forward",
     "embedding_bag_sgd_", "empty_table", "gemm", "interaction_cat_backward", "interaction_cat_forward",
     "interaction_dot_backward", "interaction_dot_forward", "linear_backward", "linear_forward",
     "SplitBF16Table", "sgd_", "sigmoid_bce_backward", "sigmoid_bce_forward",

@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from .bf16 import BF16Array
+
 F32 = np.dtype(np.float32)
 I32, I64 = np.dtype(np.int32), np.dtype(np.int64)
 
@@ -41,6 +43,14 @@ def float_array(name, x, *, ndim=None, shape=None, copy=True, writeable=False, d
     if not copy:
         raise ValueError(f"{name} must be C-contiguous and aligned (it is written in place)")
     return np.array(x, order="C")
+
+
+def bf16_array(name, x, *, ndim=None, shape=None):
+    """The aligned C-contiguous uint16 bits of a BF16Array x (copied if they are not); ndim / shape
+    as float_array's. Bare integer arrays are refused: bf16 data travels in a BF16Array."""
+    if not isinstance(x, BF16Array):
+        raise TypeError(f"{name} must be a BF16Array (bf16 operands), got {_dtype_name(x)}")
+    return float_array(name, x.bits, ndim=ndim, shape=shape, dtype=np.uint16)
 
 
 def index_array(name, a):

@@ -3,7 +3,8 @@
 The public ops check their arguments (ops/_check.py), pick cache blocks (one knob per op
 variant: tuned, or the heuristic from the target's caches) and run the one blocked driver in
 ops/gemm_kernel.py, which fuses the bias + ReLU epilogue into the register tile. Backward: one
-ReLU-gradient pass (mask + bias gradient) feeds both GEMMs a plain operand.
+ReLU-gradient pass (mask + bias gradient) feeds both GEMMs a plain operand. Calls with BF16Array
+operands run the bf16 GEMM family (ops/gemm_bf16.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from ..codegen import host_target, tunedb
 from ..codegen.knobs import knob, pow2_class
 from ..codegen.simd import tile_for
 from ..config import choice_token
-from . import _check
+from . import _check, gemm_bf16
+from .bf16 import BF16Array
 from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transpose_into
 
 
@@ -178,8 +180,20 @@ def _activation(activation) -> bool:
 # --------------------------------------------------------------------------- public ops
 
 
-def gemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
-    """out = alpha * op(a) @ op(b) + beta * out; a: (M, K) or (K, M), b: (K, N) or (N, K) float32."""
+def _fp32_only(name, dtype):
+    if _check.choice(name, dtype, gemm_bf16.OUT_DTYPES) == "bfloat16":
+        raise ValueError(f"{name}='bfloat16' needs BF16Array operands")
+
+
+def gemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, out_dtype=None):
+    """out = alpha * op(a) @ op(b) + beta * out; a: (M, K) or (K, M), b: (K, N) or (N, K) float32.
+
+    With BF16Array a and b: bf16 operands, fp32 accumulation, out float32 or bf16 (out_dtype).
+    """
+    if isinstance(a, BF16Array) or isinstance(b, BF16Array):
+        return gemm_bf16.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta,
+                              out_dtype=out_dtype)
+    _fp32_only("out_dtype", out_dtype)
     a, ta = _operand("a", a, bool(trans_a))
     b, tb = _operand("b", b, bool(trans_b))
     alpha, beta = _check.real("alpha", alpha), _check.real("beta", beta)
@@ -194,8 +208,14 @@ def gemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     return _run(a, b, out, ta, tb, "gemm", alpha=alpha, beta=beta)
 
 
-def linear_forward(x, w, b=None, *, activation=None, out=None):
-    """y = act(x @ w.T + b); x: (N, K), w: (M, K), b: (M,) float32 -> y: (N, M)."""
+def linear_forward(x, w, b=None, *, activation=None, out=None, out_dtype=None):
+    """y = act(x @ w.T + b); x: (N, K), w: (M, K), b: (M,) float32 -> y: (N, M).
+
+    With BF16Array x and w: bf16 operands, fp32 accumulation and epilogue, y float32 or bf16 (out_dtype).
+    """
+    if isinstance(x, BF16Array) or isinstance(w, BF16Array):
+        return gemm_bf16.linear_forward(x, w, b, activation=activation, out=out, out_dtype=out_dtype)
+    _fp32_only("out_dtype", out_dtype)
     relu = _activation(activation)
     x, w = _check.float_array("x", x, ndim=2), _check.float_array("w", w, ndim=2)
     n, k = x.shape
@@ -208,11 +228,15 @@ def linear_forward(x, w, b=None, *, activation=None, out=None):
     return _run(x, w, y, False, True, "linear_forward", bias=b, relu=relu)
 
 
-def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True):
+def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None):
     """Gradients of linear_forward; dy, y: (N, M), x: (N, K), w: (M, K) -> dx (N, K), dw (M, K), db (M,).
 
     need_dx=False skips dx (returned as None): the first layer's input gradient is never used.
+    With BF16Array x and w: bf16 GEMMs; dw, db float32, dx float32 or bf16 (dx_dtype).
     """
+    if isinstance(x, BF16Array) or isinstance(w, BF16Array):
+        return gemm_bf16.linear_backward(dy, x, w, y, activation=activation, need_dx=need_dx, dx_dtype=dx_dtype)
+    _fp32_only("dx_dtype", dx_dtype)
     relu = _activation(activation)
     dy, x, w = (_check.float_array(name, v, ndim=2) for name, v in (("dy", dy), ("x", x), ("w", w)))
     n, m = dy.shape

@@ -12,6 +12,8 @@ vectors into a small scratch and does all its work there; the batch is split acr
 The vectors are LLVM `<W x float>` values made available to numba by codegen/vec.py, so LLVM keeps
 the accumulators in registers. Kernels take F and D as literals for the DLRM shapes
 (_SPECIALISED) and read them from the arguments otherwise: one generic kernel serves any shape.
+bf16 (BF16Array inputs, a bf16 dz or z): the same kernels, typed for uint16 bits, widen every value
+they gather (vec.vget, codegen.bf16.widen) and accumulate in fp32; a bf16 z is rounded once per value.
 Per-CPU knobs: W (`interaction.lanes`: 16 on every vector ISA by default, i.e. one zmm, two ymm or
 four NEON registers; 1 for JITKERN_ISA=scalar) and the fewest samples per thread
 (`interaction.parallel`).
@@ -27,8 +29,23 @@ import numpy as np
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
 from ..codegen.knobs import knob, pow2_class
-from ..codegen.vec import addr_of, f32_ptr, vadd, vfma, vload, vload_addr, vsplat, vstore, vtranspose16, vzero
+from ..codegen.bf16 import widen
+from ..codegen.vec import (
+    addr_of,
+    ptr_like,
+    put,
+    vadd,
+    vfma,
+    vget,
+    vget_addr,
+    vload,
+    vsplat,
+    vstore,
+    vtranspose16,
+    vzero,
+)
 from . import _check
+from .bf16 import BF16Array
 
 # (F, D) classes the DLRM benchmarks and models use get kernels with F and D as literals
 _SPECIALISED = {(27, 16), (27, 64), (27, 128), (9, 64)}
@@ -45,8 +62,38 @@ def _store_triangle(zf, base, zs, F, Fp, off):
     for i in range(F):
         row = i * Fp
         for j in range(i + off):
-            zf[np.uint64(k + j)] = zs[np.uint64(row + j)]
+            put(zf, np.uint64(k + j), zs[np.uint64(row + j)])
         k += i + off
+
+
+@jit(inline="always")
+def _transpose_sample(tt, x, addrs, b, stride, bufs, geo):
+    """tt (D, Fp) = sample b's F vectors, transposed: x[b], then ly_t[b] at byte address addrs[t] +
+    itemsize * b * stride. bufs = (rowaddr (Fp,) int64, wrows (F * D,) float32 or unused); geo =
+    (F, D, Fp, blocks). With `blocks`, 16 x 16 blocks are transposed in registers from row
+    addresses (bf16 rows are widened into wrows first); else element by element."""
+    F, D, Fp, blocks = geo
+    rowaddr, wrows = bufs
+    item = x.itemsize
+    if blocks:
+        rowaddr[0] = addr_of(x) + item * b * D
+        for t in range(F - 1):
+            rowaddr[t + 1] = addrs[t] + item * b * stride
+        if item != 4:  # bf16 rows, widened to float32 rows the transpose reads
+            for q in range(F):
+                for d0 in range(0, D, 16):
+                    vstore(wrows, q * D + d0, vget_addr(x, rowaddr[q] + item * d0, 16))
+                rowaddr[q] = addr_of(wrows) + 4 * q * D
+        for r0 in range(0, Fp, 16):
+            for d0 in range(0, D, 16):
+                vtranspose16(rowaddr, r0, 4 * d0, tt, d0 * Fp + r0, Fp)
+    else:
+        for d in range(D):
+            tt[d * Fp] = widen(x[b, d])
+        for t in range(F - 1):
+            row = numba.carray(ptr_like(x, addrs[t] + item * b * stride), (D,))
+            for d in range(D):
+                tt[d * Fp + t + 1] = widen(row[d])
 
 
 @kernel_factory("interaction_dot_forward")
@@ -55,9 +102,9 @@ def _dot_forward_factory(spec):
 
     @jit()
     def dot_forward(b0, b1, x, addrs, stride, off, z):
-        # samples b0 <= b < b1 of x: (B, D) f32; addrs: (T,) i64 byte address of ly_t[0, 0];
-        # stride: floats from one sample of ly_t to the next; off: 1 to include the diagonal;
-        # z: (B, D + P) output
+        # samples b0 <= b < b1 of x: (B, D) float32 or bf16 bits (uint16), as every ly_t; addrs:
+        # (T,) i64 byte address of ly_t[0, 0]; stride: elements from one sample of ly_t to the
+        # next; off: 1 to include the diagonal; z: (B, D + P) output, float32 or bf16 bits
         D = DC if DC > 0 else x.shape[1]
         F = FC if FC > 0 else addrs.shape[0] + 1
         Q = max(W, 4)  # whole vectors and whole 4-row tiles
@@ -70,23 +117,11 @@ def _dot_forward_factory(spec):
         rowaddr = np.empty(Fp, np.int64)   # byte address of each row of the sample; pad rows -> 0s
         zeros = np.zeros(D, np.float32)
         rowaddr[F:] = addr_of(zeros)
+        wrows = np.empty(F * D if x.itemsize != 4 else 0, np.float32)
         for b in range(b0, b1):
             for d in range(D):
-                z[b, d] = x[b, d]
-            if blocks:
-                rowaddr[0] = addr_of(x) + 4 * b * D
-                for t in range(F - 1):
-                    rowaddr[t + 1] = addrs[t] + 4 * b * stride
-                for r0 in range(0, Fp, 16):
-                    for d0 in range(0, D, 16):
-                        vtranspose16(rowaddr, r0, 4 * d0, tt, d0 * Fp + r0, Fp)
-            else:
-                for d in range(D):
-                    tt[d * Fp] = x[b, d]
-                for t in range(F - 1):
-                    row = numba.carray(f32_ptr(addrs[t] + 4 * b * stride), (D,))
-                    for d in range(D):
-                        tt[d * Fp + t + 1] = row[d]
+                put(z, (b, d), widen(x[b, d]))
+            _transpose_sample(tt, x, addrs, b, stride, (rowaddr, wrows), (F, D, Fp, blocks))
             for i0 in range(0, F, 4):
                 # rows i0..i0+3 (those past F are zeros of tt, computed and never stored), the lanes
                 # the tile's longest row needs; whole vectors into zs, no partial stores
@@ -109,20 +144,21 @@ def _dot_forward_factory(spec):
 
 @jit(inline="always")
 def _gather_sample(buf, x, addrs, b, stride, T, D, Dp, W):
-    """buf (T + 1, Dp) = sample b's vectors: x[b], then ly_t[b] at byte address addrs[t] + 4 * b *
-    stride; whole W-lane vectors when Dp == D, else element by element (pad lanes stay 0)."""
+    """buf (T + 1, Dp) = sample b's vectors as float32: x[b], then ly_t[b] at byte address addrs[t] +
+    itemsize * b * stride; whole W-lane vectors when Dp == D, else element by element (pad lanes stay 0)."""
+    item = x.itemsize  # float32 values, or bf16 bits (widened)
     if D == Dp:
         for j0 in range(0, D, W):
-            vstore(buf, j0, vload(x, b * D + j0, W))
+            vstore(buf, j0, vget(x, b * D + j0, W))
             for t in range(T):
-                vstore(buf, (t + 1) * Dp + j0, vload_addr(addrs[t] + 4 * (b * stride + j0), W))
+                vstore(buf, (t + 1) * Dp + j0, vget_addr(x, addrs[t] + item * (b * stride + j0), W))
     else:
         for d in range(D):
-            buf[d] = x[b, d]
+            buf[d] = widen(x[b, d])
         for t in range(T):
-            row = numba.carray(f32_ptr(addrs[t] + 4 * b * stride), (D,))
+            row = numba.carray(ptr_like(x, addrs[t] + item * b * stride), (D,))
             for d in range(D):
-                buf[(t + 1) * Dp + d] = row[d]
+                buf[(t + 1) * Dp + d] = widen(row[d])
 
 
 @jit(inline="always")
@@ -149,9 +185,9 @@ def _diagonal_blocks(sd, dzf, base, F, off):
         i0, q = i // 4 * 4, i % 4
         row = base + _tri(i, off) + i0
         for c in range(q):
-            sd[_u(i0 * 4 + q * 4 + c)] = sd[_u(i0 * 4 + c * 4 + q)] = dzf[_u(row + c)]
+            sd[_u(i0 * 4 + q * 4 + c)] = sd[_u(i0 * 4 + c * 4 + q)] = widen(dzf[_u(row + c)])
         if off:
-            sd[_u(i0 * 4 + q * 5)] = 2 * dzf[_u(row + q)]
+            sd[_u(i0 * 4 + q * 5)] = 2 * widen(dzf[_u(row + q)])
 
 
 @jit(inline="always")
@@ -161,7 +197,7 @@ def _store_rows(g, dzf, dx, dly, b, F, D, Dp):
     stored."""
     nz = dzf.size // dx.shape[0]
     for d in range(D):
-        dx[b, d] = g[d] + dzf[b * nz + d]
+        dx[b, d] = g[d] + widen(dzf[b * nz + d])
     for i in range(1, F):
         for d in range(D):
             dly[i - 1, b, d] = g[i * Dp + d]
@@ -173,7 +209,7 @@ def _dot_backward_factory(spec):
 
     @jit()
     def dot_backward(b0, b1, dz, x, addrs, stride, off, dx, dly):
-        # samples b0 <= b < b1 of dz: (B, D + P); x, addrs, stride, off as in the forward;
+        # samples b0 <= b < b1 of dz: (B, D + P) float32 or bf16 bits; x, addrs, stride, off as in the forward;
         # dx: (B, D), dly: (T, B, D) outputs (table-major: each table's (B, D) gradient is contiguous).
         # dT = S @ T per sample, S read straight from dz's triangle: S[i, j] for j < i is row i of
         # the triangle, for j > i the 4 adjacent entries [i0, i0 + 4) of row j (a 4-row tile)
@@ -199,19 +235,19 @@ def _dot_backward_factory(spec):
                     a0 = a1 = a2 = a3 = vzero(W)
                     for j in range(i0):
                         v = vload(buf, j * Dp + j0, W)
-                        a0, a1 = vfma(vsplat(dzf[_u(r0 + j)], W), v, a0), vfma(vsplat(dzf[_u(r1 + j)], W), v, a1)
-                        a2, a3 = vfma(vsplat(dzf[_u(r2 + j)], W), v, a2), vfma(vsplat(dzf[_u(r3 + j)], W), v, a3)
+                        a0, a1 = vfma(vsplat(widen(dzf[_u(r0 + j)]), W), v, a0), vfma(vsplat(widen(dzf[_u(r1 + j)]), W), v, a1)
+                        a2, a3 = vfma(vsplat(widen(dzf[_u(r2 + j)]), W), v, a2), vfma(vsplat(widen(dzf[_u(r3 + j)]), W), v, a3)
                     for j in range(i0, min(i0 + 4, F)):
                         v, c = vload(buf, j * Dp + j0, W), i0 * 4 + j - i0
                         a0, a1 = vfma(vsplat(sd[_u(c)], W), v, a0), vfma(vsplat(sd[_u(c + 4)], W), v, a1)
                         a2, a3 = vfma(vsplat(sd[_u(c + 8)], W), v, a2), vfma(vsplat(sd[_u(c + 12)], W), v, a3)
                     for j in range(i0 + 4, F):
                         v, t = vload(buf, j * Dp + j0, W), base + _tri(j, off) + i0
-                        a0, a1 = vfma(vsplat(dzf[_u(t)], W), v, a0), vfma(vsplat(dzf[_u(t + 1)], W), v, a1)
-                        a2, a3 = vfma(vsplat(dzf[_u(t + 2)], W), v, a2), vfma(vsplat(dzf[_u(t + 3)], W), v, a3)
+                        a0, a1 = vfma(vsplat(widen(dzf[_u(t)]), W), v, a0), vfma(vsplat(widen(dzf[_u(t + 1)]), W), v, a1)
+                        a2, a3 = vfma(vsplat(widen(dzf[_u(t + 2)]), W), v, a2), vfma(vsplat(widen(dzf[_u(t + 3)]), W), v, a3)
                     if full:  # straight to dx / dly, among the FMAs (rows past F are not stored)
                         if i0 == 0:
-                            vstore(dxf, b * D + j0, vadd(a0, vload(dzf, b * nz + j0, W)))
+                            vstore(dxf, b * D + j0, vadd(a0, vget(dzf, b * nz + j0, W)))
                         else:
                             vstore(dlyf, ((i0 - 1) * nb + b) * D + j0, a0)
                         if i0 + 1 < F:
@@ -233,34 +269,47 @@ def _dot_backward_factory(spec):
 # --------------------------------------------------------------------------- arguments and dispatch
 
 
-def _features(x, ly):
+def _element(name, a, bf16, ndim):
+    """An input array as the kernels read it: float32, or the uint16 bits of a BF16Array (no copy)."""
+    if bf16:
+        if not isinstance(a, BF16Array) or a.ndim != ndim:
+            _check.bf16_array(name, a, ndim=ndim)  # raises, naming the element
+        return a.bits
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != ndim:
+        _check.float_array(name, a, ndim=ndim)  # raises, naming the element
+    return a
+
+
+def _features(x, ly, bf16_ok=True):
     """Validate x (B, D) and ly ((B, T, D) or T x (B, D)) -> x, keep-alive list, addrs, stride, T.
 
-    The kernels read feature t of sample b at byte address addrs[t] + 4 * b * stride, so a list
-    whose arrays share one row stride (separate (B, D) arrays, or column blocks of one (B, T*D)
-    array) is read in place, without stacking.
+    The kernels read feature t of sample b at byte address addrs[t] + itemsize * b * stride, so a
+    list whose arrays share one row stride (separate (B, D) arrays, or column blocks of one (B, T*D)
+    array) is read in place, without stacking. x and ly are all float32 or (bf16_ok) all BF16Array;
+    x is returned as an array of float32 values or bf16 bits.
     """
-    x = _check.float_array("x", x, ndim=2)
+    bf16 = bf16_ok and isinstance(x, BF16Array)
+    x = _check.bf16_array("x", x, ndim=2) if bf16 else _check.float_array("x", x, ndim=2)
     B, D = x.shape
+    item = x.itemsize
     if isinstance(ly, (list, tuple)):
         parts = []
         for t, a in enumerate(ly):
-            if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 2:
-                _check.float_array(f"ly[{t}]", a, ndim=2)  # raises, naming the element
+            a = _element(f"ly[{t}]", a, bf16, 2)
             if a.shape != (B, D):
                 raise ValueError(f"ly[{t}] must have shape (B, D) = {(B, D)} like x, got {a.shape}")
             parts.append(a)
         rows = {a.strides[0] for a in parts}
-        if len(rows) != 1 or any(a.strides[1] != 4 for a in parts) or min(rows) <= 0 or min(rows) % 4:
+        if len(rows) != 1 or any(a.strides[1] != item for a in parts) or min(rows) <= 0 or min(rows) % item:
             parts = [np.ascontiguousarray(a) for a in parts]
-            rows = {4 * D}
+            rows = {item * D}
         addrs = np.array([a.ctypes.data for a in parts], np.int64)
-        return x, parts, addrs, (rows.pop() // 4 if B > 1 else D), len(parts)
-    ly = _check.float_array("ly", ly, ndim=3)
+        return x, parts, addrs, (rows.pop() // item if B > 1 else D), len(parts)
+    ly = _check.bf16_array("ly", ly, ndim=3) if bf16 else _check.float_array("ly", ly, ndim=3)
     if ly.shape[0] != B or ly.shape[2] != D:
         raise ValueError(f"ly must have shape (B, T, D) with B, D = {B}, {D} from x, got {ly.shape}")
     T = ly.shape[1]
-    addrs = ly.ctypes.data + 4 * D * np.arange(T, dtype=np.int64)
+    addrs = ly.ctypes.data + item * D * np.arange(T, dtype=np.int64)
     return x, [ly], addrs, T * D, T
 
 
@@ -377,26 +426,28 @@ def num_pairs(num_features, self_interaction=False):
     return num_features * (num_features + (1 if self_interaction else -1)) // 2
 
 
-def interaction_dot_forward(x, ly, *, self_interaction=False):
+def interaction_dot_forward(x, ly, *, self_interaction=False, out_dtype=None):
     """z = [x, lower-triangle dots of [x, ly_0..]]; x: (B, D), ly: (B, T, D) or T x (B, D) -> (B, D + P).
 
     Pairs (i, j), j < i (j <= i with self_interaction), i ascending then j ascending, as the
-    reference DLRM; only the triangle is computed and written.
+    reference DLRM; only the triangle is computed and written. x and ly float32, or all BF16Array
+    (widened, dots accumulated in fp32); z float32, or a BF16Array with out_dtype="bfloat16".
     """
+    bf16_out = _check.choice("out_dtype", out_dtype, (None, "float32", "bfloat16")) == "bfloat16"
     x, keep, addrs, stride, T = _features(x, ly)
     B, D = x.shape
-    z = np.empty((B, D + num_pairs(T + 1, self_interaction)), np.float32)
+    z = np.empty((B, D + num_pairs(T + 1, self_interaction)), np.uint16 if bf16_out else np.float32)
     _run("interaction_dot_forward", B, T + 1, D, x, addrs, stride, int(bool(self_interaction)), z)
     del keep  # the arrays addrs points into: alive until the kernels are done
-    return z
+    return BF16Array(z) if bf16_out else z
 
 
 def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
-    """Gradients of interaction_dot_forward: dz (B, D + P) -> dx (B, D), dly (B, T, D) float32 (a view
-    of a (T, B, D) array)."""
+    """Gradients of interaction_dot_forward: dz (B, D + P) float32 or BF16Array -> dx (B, D), dly (B, T, D)
+    float32 (a view of a (T, B, D) array)."""
     x, keep, addrs, stride, T = _features(x, ly)
     B, D = x.shape
-    dz = _check.float_array("dz", dz, ndim=2)
+    dz = _check.bf16_array("dz", dz, ndim=2) if isinstance(dz, BF16Array) else _check.float_array("dz", dz, ndim=2)
     want = (B, D + num_pairs(T + 1, self_interaction))
     if dz.shape != want:
         raise ValueError(f"dz must have shape (B, D + P) = {want}, got {dz.shape}")
@@ -410,7 +461,7 @@ def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
 
 def interaction_cat_forward(x, ly):
     """z = [x, ly_0, ..., ly_{T-1}] per sample; x: (B, D), ly: (B, T, D) or T x (B, D) -> (B, D * (T + 1))."""
-    x, keep, _, _, T = _features(x, ly)
+    x, keep, _, _, T = _features(x, ly, bf16_ok=False)
     B, D = x.shape
     z = np.empty((B, T + 1, D), np.float32)
     z[:, 0] = x
@@ -424,7 +475,7 @@ def interaction_cat_forward(x, ly):
 
 def interaction_cat_backward(dz, x, ly):
     """Gradients of interaction_cat_forward: dz (B, D * (T + 1)) -> dx (B, D), dly (B, T, D)."""
-    x, _, _, _, T = _features(x, ly)
+    x, _, _, _, T = _features(x, ly, bf16_ok=False)
     B, D = x.shape
     dz = _check.float_array("dz", dz, ndim=2)
     if dz.shape != (B, D * (T + 1)):

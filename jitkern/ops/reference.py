@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .bf16 import BF16Array
+
 # --------------------------------------------------------------------------- GEMM family
 
 
@@ -48,6 +50,63 @@ def batch_reduce_gemm(a, b, out=None, *, alpha=1.0, beta=0.0):
     if out is not None and beta != 0.0:
         c = c + beta * np.asarray(out, np.float64)
     return c.astype(np.float32)
+
+
+# --------------------------------------------------------------------------- bf16 GEMM family
+
+
+def bf16_round(x):
+    """float32 x rounded to the nearest bf16 value, ties to even; NaN stays NaN (quiet bit set,
+    sign and high payload kept); denormals round like any value. -> float32 (bf16-exact)."""
+    bits = np.array(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    hi = np.where(np.isnan(np.asarray(x, np.float32)), (bits >> 16) | 0x40, rounded)
+    return (hi.astype(np.uint32) << 16).view(np.float32)
+
+
+def _values(x):
+    """float64 values of a BF16Array or an array (a signalling NaN widens to a quiet one, as in fp32 adds)."""
+    with np.errstate(invalid="ignore"):
+        return np.asarray(x.to_float32() if isinstance(x, BF16Array) else x, np.float64)
+
+
+def _result(y, dtype):
+    """y (float64) as float32, or as a BF16Array rounded from that float32 (dtype "bfloat16")."""
+    y32 = np.ascontiguousarray(y, np.float32)
+    if dtype != "bfloat16":
+        return y32
+    return BF16Array((bf16_round(y32).view(np.uint32) >> 16).astype(np.uint16))
+
+
+def gemm_bf16(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, out_dtype=None):
+    """gemm with BF16Array a, b (exact products, float64 sums) -> float32, or BF16Array for a BF16Array
+    out or out_dtype="bfloat16"."""
+    a64, b64 = _values(a), _values(b)
+    c = alpha * ((a64.T if trans_a else a64) @ (b64.T if trans_b else b64))
+    if out is not None and beta != 0.0:
+        c = c + beta * _values(out)
+    return _result(c, out_dtype or ("bfloat16" if isinstance(out, BF16Array) else "float32"))
+
+
+def linear_forward_bf16(x, w, b=None, *, activation=None, out=None, out_dtype=None):
+    """linear_forward with BF16Array x, w (b float32 or BF16Array) -> y float32 or BF16Array."""
+    y = _values(x) @ _values(w).T
+    if b is not None:
+        y = y + _values(b)
+    if activation == "relu":
+        y = np.maximum(y, 0.0)
+    return _result(y, out_dtype or ("bfloat16" if isinstance(out, BF16Array) else "float32"))
+
+
+def linear_backward_bf16(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None):
+    """Gradients of linear_forward_bf16: the GEMMs read g = bf16(masked dy); db sums the masked dy
+    unrounded -> dx (float32 or BF16Array, dx_dtype), dw, db float32."""
+    g = _values(dy)
+    if activation == "relu":
+        g = np.where(_values(y) > 0, g, 0.0)
+    gb = bf16_round(g.astype(np.float32)).astype(np.float64)
+    dx = _result(gb @ _values(w), dx_dtype) if need_dx else None
+    return dx, (gb.T @ _values(x)).astype(np.float32), g.sum(axis=0).astype(np.float32)
 
 
 # --------------------------------------------------------------------------- embedding bags
@@ -156,6 +215,12 @@ def _stack(x, ly):
     return np.concatenate([np.asarray(x)[:, None, :], ly], axis=1)  # (B, F, D)
 
 
+def _stack_values(x, ly):
+    """(B, F, D) float64 values of x and ly (float32 or BF16Array)."""
+    ly = np.stack([_values(a) for a in ly], axis=1) if isinstance(ly, (list, tuple)) else _values(ly)
+    return np.concatenate([_values(x)[:, None, :], ly], axis=1)
+
+
 def interaction_pairs(num_features, self_interaction=False):
     """(li, lj) index arrays of the reference DLRM's pair order: i ascending, then j ascending."""
     off = 1 if self_interaction else 0
@@ -164,19 +229,20 @@ def interaction_pairs(num_features, self_interaction=False):
     return li, lj
 
 
-def interaction_dot_forward(x, ly, *, self_interaction=False):
-    """z = [x, tril(T T^t)] with T = [x, ly_0..]; x: (B, D), ly: (B, T, D) -> (B, D + P)."""
-    t = _stack(x, ly).astype(np.float64)
+def interaction_dot_forward(x, ly, *, self_interaction=False, out_dtype=None):
+    """z = [x, tril(T T^t)] with T = [x, ly_0..]; x: (B, D), ly: (B, T, D) -> (B, D + P) (a BF16Array
+    with out_dtype="bfloat16"; inputs float32 or BF16Array)."""
+    t = _stack_values(x, ly)
     zz = t @ t.transpose(0, 2, 1)
     li, lj = interaction_pairs(t.shape[1], self_interaction)
-    return np.concatenate([np.asarray(x, np.float64), zz[:, li, lj]], axis=1).astype(np.float32)
+    return _result(np.concatenate([t[:, 0, :], zz[:, li, lj]], axis=1), out_dtype)
 
 
 def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
     """Gradients of interaction_dot_forward: dx (B, D), dly (B, T, D)."""
-    t = _stack(x, ly).astype(np.float64)
+    t = _stack_values(x, ly)
     b, f, d = t.shape
-    dz = np.asarray(dz, np.float64)
+    dz = _values(dz)
     li, lj = interaction_pairs(f, self_interaction)
     dzz = np.zeros((b, f, f))
     np.add.at(dzz, (slice(None), li, lj), dz[:, d:])

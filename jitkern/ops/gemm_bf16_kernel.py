@@ -1,0 +1,447 @@
+"""The bf16 GEMM driver: C (M, N) = epilogue(op(A) @ op(B)) for bf16 A and B, fp32 accumulation, C fp32 or bf16.
+
+Two paths, chosen per spec (`native`, a closure constant, so the other path's branches are pruned
+before typing):
+  native (AVX512_BF16): B packed into k-pair-interleaved NR-wide panels, A read in place when
+    row-major (its pairs are adjacent) or packed k-pair-interleaved; the vdpbf16ps tile
+    (codegen.simd_bf16.dp_tile) fuses bias, ReLU and the bf16 rounding of C into its registers.
+  widening (no bf16 dot product): A and B widened to fp32 while packing, the fp32 FMA tile
+    (codegen.simd.fma_tile); a bf16 C is rounded from the fp32 tile right after its last K pass.
+Blocking follows the fp32 driver (ops/gemm_kernel.py): B packed once, each C block one parallel
+task with its K passes in a fixed order, so results are bit-identical run to run and for any
+thread count. A bf16 C keeps its partial sums in an fp32 block per task between K passes.
+Everything here works in elements of the flat arrays; bf16 values travel as their uint16 bits.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+from numba import prange
+
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+from ..codegen.bf16 import widen
+from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
+from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16, widen_bf16
+
+
+@jit(inline="always")
+def _u(i):
+    """An index as unsigned (no negative-index wraparound selects in copy loops)."""
+    return np.uint64(i)
+
+
+# --------------------------------------------------------------------------- native packing (k pairs)
+
+
+@jit(inline="always")
+def _pair_pack_b_columns(bp, bflat, p, geo, nr):
+    """Panel p of B (n, k) (rows are C columns) k-pair-interleaved at p * ps: element (k, col r) at
+    (k // 2) * 2 nr + 2 r + k % 2; an odd k's partner and columns past n zeroed. geo = (n, k, ps)."""
+    n, k, ps = geo
+    width = min(nr, n - p * nr)
+    base = p * ps
+    for r in range(width):
+        row = (p * nr + r) * k
+        for kk in range(k):
+            bp[_u(base + (kk >> 1) * 2 * nr + 2 * r + (kk & 1))] = bflat[_u(row + kk)]
+        if k & 1:
+            bp[_u(base + (k >> 1) * 2 * nr + 2 * r + 1)] = 0
+    for r in range(width, nr):
+        for kk in range((k + 1) // 2 * 2):
+            bp[_u(base + (kk >> 1) * 2 * nr + 2 * r + (kk & 1))] = 0
+
+
+@jit(inline="always")
+def _pair(lo, hi):
+    """Two bf16 values as one 32-bit word, lo first in memory (the order vdpbf16ps pairs them in)."""
+    return np.uint32(lo) | np.uint32(hi) << np.uint32(16)
+
+
+@jit(inline="always")
+def _pair_pack_b_rows(bp32, bflat, kb, geo, nr):
+    """k pairs 32 kb .. 32 kb + 31 of B (k, n), every panel: rows 2 kp and 2 kp + 1 interleaved
+    column by column, as 32-bit words (bp32: the panels viewed as uint32); a missing odd row and
+    columns past n zeroed. geo = (n, k, ps)."""
+    n, k, ps = geo
+    npan = (n + nr - 1) // nr
+    for kp in range(kb * 32, min((k + 1) // 2, kb * 32 + 32)):
+        r0, r1 = 2 * kp * n, (2 * kp + 1) * n
+        for p in range(npan):
+            base = (p * ps >> 1) + kp * nr
+            col = p * nr
+            width = min(nr, n - col)
+            if 2 * kp + 1 < k:
+                for r in range(width):
+                    bp32[_u(base + r)] = _pair(bflat[_u(r0 + col + r)], bflat[_u(r1 + col + r)])
+            else:
+                for r in range(width):
+                    bp32[_u(base + r)] = np.uint32(bflat[_u(r0 + col + r)])
+            for r in range(width, nr):
+                bp32[_u(base + r)] = 0
+
+
+@jit(inline="always")
+def _pair_pack_a_block(ap, aflat, blk, kpass, geo, ta, mr):
+    """A[i0:i0+mcb, p0:p0+kcb] into ap as mr-row panels of k pairs (panel ip at ip * kcp * mr,
+    element (r, k) at (k // 2) * 2 mr + 2 r + k % 2, kcp = kcb rounded up to even); rows past mcb
+    zeroed. A plain A (not ta) is read in place except a ragged last panel. blk = (i0, mcb, j0, ncb),
+    kpass = (p0, kcb), geo = (m, k): A is (m, k), or (k, m) if ta."""
+    i0, mcb, _, _ = blk
+    p0, kcb = kpass
+    m, k = geo
+    kcp = (kcb + 1) // 2 * 2
+    for ip in range((mcb + mr - 1) // mr):
+        dst = ip * kcp * mr
+        rows = min(mr, mcb - ip * mr)
+        ibase = i0 + ip * mr
+        if not ta and rows == mr:
+            continue  # read in place by the tile
+        if ta:  # each k pair reads `rows` contiguous values from two rows of a
+            ap32 = ap.view(np.uint32)
+            for kp in range(kcb >> 1):
+                src = (p0 + 2 * kp) * m + ibase
+                d = (dst >> 1) + kp * mr
+                for r in range(rows):
+                    ap32[_u(d + r)] = _pair(aflat[_u(src + r)], aflat[_u(src + m + r)])
+            if kcb & 1:
+                src = (p0 + kcb - 1) * m + ibase
+                for r in range(rows):
+                    ap[_u(dst + (kcb >> 1) * 2 * mr + 2 * r)] = aflat[_u(src + r)]
+        else:
+            for r in range(rows):
+                src = (ibase + r) * k + p0
+                for kk in range(kcb):
+                    ap[_u(dst + (kk >> 1) * 2 * mr + 2 * r + (kk & 1))] = aflat[_u(src + kk)]
+        for r in range(rows, mr):
+            for kk in range(kcp):
+                ap[_u(dst + (kk >> 1) * 2 * mr + 2 * r + (kk & 1))] = 0
+
+
+# --------------------------------------------------------------------------- widening packing (fp32 panels)
+
+
+@jit(inline="always")
+def _widen_pack_b(bp, bflat, p, geo, tb, nr):
+    """Panel p of B widened to fp32, k-major nr wide at p * ps (the fp32 tile's layout); columns
+    past n zeroed. B is (n, k) if tb, else (k, n). geo = (n, k, ps)."""
+    n, k, ps = geo
+    width = min(nr, n - p * nr)
+    base = p * ps
+    if tb:
+        for r in range(width):
+            for kk in range(k):
+                bp[_u(base + kk * nr + r)] = widen_bf16(bflat[_u((p * nr + r) * k + kk)])
+    else:
+        for kk in range(k):
+            for r in range(width):
+                bp[_u(base + kk * nr + r)] = widen_bf16(bflat[_u(kk * n + p * nr + r)])
+    for kk in range(k):
+        for r in range(width, nr):
+            bp[_u(base + kk * nr + r)] = 0.0
+
+
+@jit(inline="always")
+def _widen_pack_a_block(ap, aflat, blk, kpass, geo, ta, mr):
+    """A[i0:i0+mcb, p0:p0+kcb] widened into ap as mr-row k-major panels (panel ip at ip * kcb * mr);
+    rows past mcb zeroed. Arguments as _pair_pack_a_block's."""
+    i0, mcb, _, _ = blk
+    p0, kcb = kpass
+    m, k = geo
+    for ip in range((mcb + mr - 1) // mr):
+        dst = ip * kcb * mr
+        rows = min(mr, mcb - ip * mr)
+        ibase = i0 + ip * mr
+        if ta:
+            for kk in range(kcb):
+                src = (p0 + kk) * m + ibase
+                for r in range(rows):
+                    ap[_u(dst + kk * mr + r)] = widen_bf16(aflat[_u(src + r)])
+        else:
+            for r in range(rows):
+                src = (ibase + r) * k + p0
+                for kk in range(kcb):
+                    ap[_u(dst + kk * mr + r)] = widen_bf16(aflat[_u(src + kk)])
+        for r in range(rows, mr):
+            for kk in range(kcb):
+                ap[_u(dst + kk * mr + r)] = 0.0
+
+
+# --------------------------------------------------------------------------- tiles
+
+
+@jit(inline="always")
+def _edge_dp(code, kcb, a_op, b_op, cin, cout, bias_op, flags, scratch, cut):
+    """A native tile with only rows x cols inside C: computed whole in scratch = (fp32 tile, tile of
+    cout's dtype), the valid part copied out; cut = (rows, cols); the rest as dp_tile's."""
+    _, nr = bf16_tile_dims(code)
+    ftile, otile = scratch
+    rows, cols = cut
+    cf, cio, cld = cin
+    of, oo, old = cout
+    if flags[0]:
+        for r in range(rows):
+            for q in range(cols):
+                ftile[_u(r * nr + q)] = cf[_u(cio + r * cld + q)]
+    dp_tile(code, kcb, a_op, b_op, (ftile, 0, nr), (otile, 0, nr), bias_op, flags)
+    for r in range(rows):
+        for q in range(cols):
+            of[_u(oo + r * old + q)] = otile[_u(r * nr + q)]
+
+
+@jit(inline="always")
+def _sweep_dp(code, a_src, b_src, acc, out, scratch, blk, kpass, geo, flags):
+    """One K pass of one C block with the native tile. a_src = (flat A, packed A block), b_src =
+    (packed B, bias zero-padded to whole panels); acc: where partial sums live between K passes,
+    out: C (each (flat array, offset of the block's first element, row stride)); the last pass reads
+    acc and writes out. blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (k, ps); scratch = (fp32
+    tile, tile of C's dtype); flags = (load, last, use_bias, relu, a_inplace)."""
+    mr, nr = bf16_tile_dims(code)
+    aflat, ap = a_src
+    bp, biasp = b_src
+    af, ao, ald = acc
+    of, oo, old = out
+    i0, mcb, j0, ncb = blk
+    p0, kcb = kpass
+    k, ps = geo
+    load, last, use_bias, relu, a_inplace = flags
+    tflags = (load, last, use_bias, relu)
+    kcp = (kcb + 1) // 2 * 2
+    for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
+        jj = jp * nr
+        nrem = min(nr, j0 + ncb - jj)
+        b_op = (bp, jp * ps + p0 * nr, 2 * nr)
+        for ip in range((mcb + mr - 1) // mr):
+            ii = i0 + ip * mr
+            mrem = min(mr, i0 + mcb - ii)
+            a_op = (aflat, ii * k + p0, 2, k) if a_inplace and mrem == mr else (ap, ip * kcp * mr, 2 * mr, 2)
+            t_acc = (af, ao + (ii - i0) * ald + jj - j0, ald)
+            t_out = (of, oo + (ii - i0) * old + jj - j0, old)
+            whole = mrem == mr and nrem == nr
+            if last and whole:
+                dp_tile(code, kcb, a_op, b_op, t_acc, t_out, (biasp, jj), tflags)
+            elif last:
+                _edge_dp(code, kcb, a_op, b_op, t_acc, t_out, (biasp, jj), tflags, scratch, (mrem, nrem))
+            elif whole:
+                dp_tile(code, kcb, a_op, b_op, t_acc, t_acc, (biasp, jj), tflags)
+            else:
+                _edge_dp(code, kcb, a_op, b_op, t_acc, t_acc, (biasp, jj), tflags, (scratch[0], scratch[0]),
+                         (mrem, nrem))
+
+
+@jit(inline="always")
+def _sweep_fma(code, ap, b_src, c_op, scratch, blk, kpass, geo, flags):
+    """One K pass of one C block with the fp32 tile on widened panels: C (c_op = (flat fp32, offset of
+    the block's first element, row stride)) accumulates in place; `scratch` takes edge tiles."""
+    mr, nr = tile_dims(code)
+    bp, biasp = b_src
+    cf, co, ld = c_op
+    i0, mcb, j0, ncb = blk
+    p0, kcb = kpass
+    k, ps = geo
+    load = flags[0]
+    tflags = (flags[0], flags[1], flags[2], flags[3])  # (load, last: the epilogue, use_bias, relu)
+    for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
+        jj = jp * nr
+        nrem = min(nr, j0 + ncb - jj)
+        b_op = (bp, jp * ps + p0 * nr, nr)
+        for ip in range((mcb + mr - 1) // mr):
+            ii = i0 + ip * mr
+            mrem = min(mr, i0 + mcb - ii)
+            a_op = (ap, ip * kcb * mr, mr, 1)
+            off = co + (ii - i0) * ld + jj - j0
+            if mrem == mr and nrem == nr:
+                fma_tile(code, kcb, a_op, b_op, (cf, off, ld), (biasp, jj), tflags)
+            else:
+                if load:
+                    for r in range(mrem):
+                        for q in range(nrem):
+                            scratch[_u(r * nr + q)] = cf[_u(off + r * ld + q)]
+                fma_tile(code, kcb, a_op, b_op, (scratch, 0, nr), (biasp, jj), tflags)
+                for r in range(mrem):
+                    for q in range(nrem):
+                        cf[_u(off + r * ld + q)] = scratch[_u(r * nr + q)]
+
+
+@jit(inline="always")
+def _round_block(cf, part, blk, n, nc):
+    """C[block] = bf16 of the fp32 block `part` (row stride nc)."""
+    i0, mcb, j0, ncb = blk
+    for r in range(mcb):
+        for q in range(ncb):
+            cf[_u((i0 + r) * n + j0 + q)] = round_bf16(part[_u(r * nc + q)])
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+@kernel_factory("gemm_bf16")
+def _gemm_bf16_factory(spec: KernelSpec):
+    # compile-time: the tile shape, the path and C's dtype (their branches pruned before typing)
+    MR, NR = spec["mr"], spec["nr"]
+    NATIVE, OUT_BF16 = spec["native"], spec["out_bf16"]
+    CODE = bf16_tile_code(MR, NR) if NATIVE else tile_code(MR, NR, spec["vw"])
+
+    @jit(parallel=True)
+    def gemm_bf16_kernel(a, b, c, bias, ws, part, dims, blocks, flags):
+        # a: (m, k) or (k, m) if ta, uint16; b: (k, n) or (n, k) if tb, uint16; c: (m, n) float32,
+        # or uint16 if OUT_BF16; bias: (n,) float32 if use_bias; ws: packing scratch (uint16
+        # natively, float32 widening); part: fp32 partial blocks (mc * nc per task) for a bf16 C;
+        # dims = (m, n, k); blocks = (mc, kc, nc), kc even unless it is all of k;
+        # flags = (ta, tb, use_bias, relu)
+        m, n, k = dims
+        mc, kc, nc = blocks
+        ta, tb, use_bias, relu = flags
+        npan = (n + NR - 1) // NR
+        ps = ((k + 1) // 2 * 2 * NR + 32) if NATIVE else (k * NR + 16)  # + one line: no 4K aliasing
+        bsize = npan * ps
+        bp, bflat, aflat, cf = ws[:bsize], b.reshape(b.size), a.reshape(a.size), c.reshape(m * n)
+        if NATIVE and not tb:
+            bp32 = bp.view(np.uint32)
+            for kb in prange(((k + 1) // 2 + 31) // 32):
+                _pair_pack_b_rows(bp32, bflat, kb, (n, k, ps), NR)
+        elif NATIVE:
+            for p in prange(npan):
+                _pair_pack_b_columns(bp, bflat, p, (n, k, ps), NR)
+        else:
+            for p in prange(npan):
+                _widen_pack_b(bp, bflat, p, (n, k, ps), tb, NR)
+        biasp = np.zeros(npan * NR, np.float32)
+        if use_bias:
+            biasp[:n] = bias
+        nib, njb = (m + mc - 1) // mc, (n + nc - 1) // nc
+        npc = max(1, (k + kc - 1) // kc)
+        apsize = (mc + MR - 1) // MR * MR * ((max(kc, 1) + 1) // 2 * 2)
+        for t in prange(nib * njb):
+            ib = t // njb
+            i0, j0 = ib * mc, (t - ib * njb) * nc
+            blk = (i0, min(mc, m - i0), j0, min(nc, n - j0))
+            ap = ws[bsize + t * apsize:bsize + (t + 1) * apsize]
+            if OUT_BF16:  # partial sums between K passes: an fp32 block of this task's own
+                acc = (part[t * mc * nc:(t + 1) * mc * nc], 0, nc)
+            else:
+                acc = (cf, i0 * n + j0, n)
+            scratch = (np.empty(MR * NR, np.float32), np.empty(MR * NR, c.dtype))
+            for pi in range(npc):
+                kpass = (pi * kc, min(kc, k - pi * kc))
+                fl = (pi > 0, pi == npc - 1, use_bias, relu, not ta)
+                if NATIVE:
+                    _pair_pack_a_block(ap, aflat, blk, kpass, (m, k), ta, MR)
+                    _sweep_dp(CODE, (aflat, ap), (bp, biasp), acc, (cf, i0 * n + j0, n), scratch, blk, kpass,
+                              (k, ps), fl)
+                else:
+                    _widen_pack_a_block(ap, aflat, blk, kpass, (m, k), ta, MR)
+                    _sweep_fma(CODE, ap, (bp, biasp), acc, scratch[0], blk, kpass, (k, ps), fl)
+            if OUT_BF16 and not NATIVE:
+                _round_block(cf, acc[0], blk, n, nc)
+    return gemm_bf16_kernel
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def bf16_tile(isa: str | None = None) -> tuple[bool, int, int, int]:
+    """(native, MR, NR, vector width) of the bf16 GEMM on `isa` (default: the current target's):
+    the vdpbf16ps tile where the target has AVX512_BF16, else the fp32 tile on widened panels."""
+    t = host_target()
+    isa = isa or t.isa
+    tile = bf16_tile_for(isa, t.has("avx512bf16") and isa == t.isa)
+    if tile is not None:
+        return True, tile[0], tile[1], 16
+    return (False, *tile_for(isa))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(isa: str, out_bf16: bool):
+    native, mr, nr, vw = bf16_tile(isa)
+    return get_kernel(KernelSpec.make("gemm_bf16", dtype="bfloat16", mr=mr, nr=nr, vw=vw, native=int(native),
+                                      out_bf16=int(out_bf16)))
+
+
+_SCRATCH = threading.local()
+
+
+def _buffer(name: str, dtype, size: int) -> np.ndarray:
+    """This thread's scratch `name` of at least `size` elements, 64-byte aligned, kept between calls."""
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.size < size:
+        raw = np.empty(max(size, 2 * (0 if buf is None else buf.size)) + 64, dtype)
+        skip = (-raw.ctypes.data % 64) // raw.itemsize
+        buf = raw[skip:skip + raw.size - 64]
+        setattr(_SCRATCH, name, buf)
+    return buf
+
+
+def grad_buffer(size: int) -> np.ndarray:
+    """This thread's uint16 buffer for the masked bf16 output gradient (consumed before
+    linear_backward returns): multi-MB buffers allocated per call would pay their page faults."""
+    return _buffer("grad", np.uint16, size)[:size]
+
+
+_DUMMY_F32 = np.zeros(1, np.float32)
+
+
+def gemm_bf16_into(a, b, c, ta, tb, blocks, *, bias=None, relu=False):
+    """Run the driver on validated C-contiguous uint16 bf16 bits a, b with blocks = (mc, kc, nc);
+    c: float32, or uint16 for bf16 bits, (m, n), written and returned."""
+    m, n = c.shape
+    if m == 0 or n == 0:
+        return c
+    k = a.shape[0] if ta else a.shape[1]
+    isa = host_target().isa
+    out_bf16 = c.dtype == np.uint16
+    native, mr, nr, _ = bf16_tile(isa)
+    mc, kc, nc = blocks
+    tasks = -(-m // mc) * -(-n // nc)
+    kcp = (max(kc, 1) + 1) // 2 * 2
+    if native:
+        ws = _buffer("ws16", np.uint16, -(-n // nr) * ((k + 1) // 2 * 2 * nr + 32) + tasks * -(-mc // mr) * mr * kcp)
+    else:
+        ws = _buffer("ws32", np.float32, -(-n // nr) * (k * nr + 16) + tasks * -(-mc // mr) * mr * kcp)
+    part = _buffer("part", np.float32, tasks * mc * nc) if out_bf16 else _DUMMY_F32
+    _kernel(isa, out_bf16)(a, b, c, _DUMMY_F32 if bias is None else bias, ws, part, (m, n, k), (mc, kc, nc),
+                           (bool(ta), bool(tb), bias is not None, bool(relu)))
+    return c
+
+
+# --------------------------------------------------------------------------- ReLU gradient
+
+_GRAD_CHUNKS = 16  # as ops/gemm_kernel.relu_grad: a fixed count, so sums never depend on threads
+
+
+@jit(parallel=True)
+def relu_grad_bf16(dy, y, g, db, flags):
+    """g = bf16(dy where y > 0 else 0) (or bf16(dy) without relu), db[j] = sum_i of the unrounded
+    masked dy[i, j]; flags = (relu, write_g): g is written if relu or write_g (without either, dy
+    is bf16 already and is the GEMMs' operand).
+
+    dy, y: (n, m) float32 or uint16 bf16 bits; g: (n, m) uint16; db: (m,) float32. Chunks of rows
+    sum in order (float64), then the chunks are added in order, as relu_grad.
+    """
+    relu, write_g = flags
+    n, m = dy.shape
+    dyf, yf, gf = dy.reshape(n * m), y.reshape(y.size), g.reshape(g.size)
+    part = np.zeros((_GRAD_CHUNKS, m), np.float64)
+    for c in prange(_GRAD_CHUNKS):
+        acc = part[c]
+        for i in range(c * n // _GRAD_CHUNKS, (c + 1) * n // _GRAD_CHUNKS):
+            row = i * m
+            if relu:  # a select once vectorised; NaN/inf in dy vanish where the unit was inactive
+                for j in range(m):
+                    v = widen(dyf[_u(row + j)]) if widen(yf[_u(row + j)]) > 0 else np.float32(0.0)
+                    gf[_u(row + j)] = round_bf16(v)
+                    acc[_u(j)] += np.float64(v)
+            elif write_g:
+                for j in range(m):
+                    v = widen(dyf[_u(row + j)])
+                    gf[_u(row + j)] = round_bf16(v)
+                    acc[_u(j)] += np.float64(v)
+            else:
+                for j in range(m):
+                    acc[_u(j)] += np.float64(widen(dyf[_u(row + j)]))
+    for j in range(m):
+        s = 0.0
+        for c in range(_GRAD_CHUNKS):
+            s += part[c, j]
+        db[j] = s
