@@ -57,11 +57,10 @@ def sub_sample(ds: CriteoDataset, rate: float, seed: int) -> CriteoDataset:
 
 def day_shuffled(ds: CriteoDataset, seed: int) -> CriteoDataset:
     """--data-randomize day for jitkern's layout: the rows of each day permuted, days in order."""
-    days = ds.meta.get("day_rows")
     a, b = ds.meta.get("splits", {}).get(ds.split, (0, len(ds)))
+    bounds = ds.meta.get("day_offsets", [a, b])
     rng = np.random.default_rng([seed, 0xDA7])
-    bounds = np.cumsum([0] + list(days or [len(ds)]))
-    parts = [a + rng.permutation(np.arange(max(lo, a), min(hi, b)) - a) for lo, hi in zip(bounds[:-1], bounds[1:])
+    parts = [rng.permutation(np.arange(max(lo, a), min(hi, b))) for lo, hi in zip(bounds[:-1], bounds[1:])
              if min(hi, b) > max(lo, a)]
     return take_rows(ds, np.concatenate(parts) - a if parts else np.zeros(0, np.int64))
 
@@ -144,7 +143,8 @@ def dataset_splits(args, rs, log=print):
         if not all(os.path.exists(f"{prefix}_{s}.bin") for s in ("train", "test")) and paths.memory_map_ready():
             write_mlperf_bins(paths, prefix)
         if all(os.path.exists(f"{prefix}_{s}.bin") for s in ("train", "test")):
-            return tuple(load_mlperf_bin(prefix, s) for s in ("train", "test")) + ("bin",)
+            counts = args.raw_data_file + "_fea_count.npz"        # where the reference reads them
+            return tuple(load_mlperf_bin(prefix, s, counts) for s in ("train", "test")) + ("bin",)
     if args.memory_map and paths.memory_map_ready():
         log(f"Reading pre-processed days={paths.reordered(0)} ...")
         return load_reordered_days(paths, "train"), load_reordered_days(paths, "test"), "reference"

@@ -117,7 +117,7 @@ def _sample(z, y, kind, w, t):
     the probability is not clamped; 1: MSE; 2: BCE of the float32 probability, weighted by w
     (torch's BCELoss after sigmoid, as the reference computes it)."""
     p = _sigmoid(z)
-    p32 = _torch_sigmoid(z)
+    p32 = np.float32(p) if kind == 0 else _torch_sigmoid(z)      # bce: sigmoid_bce_forward's probabilities
     pc, inside = _clamp(p32, t)
     dp = np.float64(p32) * (1.0 - np.float64(p32))     # torch's sigmoid backward: p (1 - p) in float32's p
     if kind == 1:

@@ -246,8 +246,10 @@ def _sigmoid_loss(logits, labels, loss, class_weights, threshold):
     z = np.asarray(logits, np.float64)
     y = np.asarray(labels, np.float64)
     p = np.where(z >= 0, 1.0 / (1.0 + np.exp(-np.abs(z))), np.exp(-np.abs(z)) / (1.0 + np.exp(-np.abs(z))))
-    with np.errstate(over="ignore"):                  # torch's float32 sigmoid, op by op
+    with np.errstate(over="ignore"):                  # torch's float32 sigmoid, op by op (bce: rounded p)
         p32 = (1.0 / (np.float32(1.0) + np.exp(-z).astype(np.float32)).astype(np.float64)).astype(np.float32)
+    if loss == "bce":
+        p32 = p.astype(np.float32)
     pc, inside = p32, np.ones(len(p), bool)
     if threshold > 0:
         lo, hi = np.float32(threshold), np.float32(1.0 - threshold)

@@ -38,6 +38,8 @@ CASES = [
     "--loss-function=bce --weighted-pooling=learned --optimizer=rwsadagrad",
     "--loss-function=wbce --loss-weights=0.3-0.7 --round-targets=True --optimizer=adagrad",
     "--loss-function=bce --nepochs=2 --data-size=300 --num-batches=0",
+    "--loss-function=bce --md-flag --md-threshold=30",
+    "--loss-function=mse --md-flag --md-threshold=30 --md-temperature=0.5 --optimizer=adagrad",
 ]
 LOSS = re.compile(r"Finished training it (\d+)/(\d+) of epoch (\d+), .* loss (\S+)")
 

@@ -110,6 +110,7 @@ def load_reference_npz(path):
     except (ValueError, OSError) as e:
         raise LayoutError(f"{path}: unreadable .npz ({type(e).__name__}: {e})") from None
     x_int, x_cat, y, counts = arrays
+    x_cat = x_cat.astype(np.int64)                 # the reference writes it as float64; its loader truncates
     n = len(y)
     if x_int.shape != (n, N_DENSE) or x_cat.shape != (n, N_SPARSE) or counts.shape != (N_SPARSE,):
         raise LayoutError(f"{path}: X_int {x_int.shape}, X_cat {x_cat.shape}, y {y.shape}, counts {counts.shape}: "
@@ -158,6 +159,7 @@ def load_reordered_days(paths: ReferencePaths, split: str) -> CriteoDataset:
         with np.load(paths.reordered(d)) as z:
             parts.append((np.asarray(z["X_int"]), np.asarray(z["X_cat"]), np.asarray(z["y"]).reshape(-1)))
     x_int, x_cat, y = (np.concatenate([p[k] for p in parts]) for k in range(3))
+    x_cat = x_cat.astype(np.int64)
     if split != "train":
         first = (len(y) + 1) // 2
         rows = slice(0, first) if split == "test" else slice(first, len(y))
