@@ -674,17 +674,22 @@ class DLRM:
                              f"got {lr}")
         return lr
 
-    def train_step(self, dense, offsets, indices, labels, lr, *, check=True, loss_scale=1.0) -> float:
+    def batch_loss(self, dense, offsets, indices, labels, *, check=True) -> float:
+        """The batch-mean loss of one batch (forward only; parameters untouched)."""
+        if check:
+            self.check_batch(dense, offsets, indices, labels)
+        ctx = self.step_context(dense, offsets, indices, labels)
+        *_, logits = self._forward_stages(ctx)
+        return self.step_loss(ctx, self.loss_forward(ctx, logits)[0])
+
+    def train_step(self, dense, offsets, indices, labels, lr, *, check=True) -> float:
         """Forward, backward and update of every parameter by the model's optimizers; returns the
-        batch-mean loss. loss_scale: the gradient is that of loss_scale times the mean (the sum of
-        the batch means of loss_scale equal batches given as one)."""
+        batch-mean loss."""
         lr = self._check_step(dense, offsets, indices, labels, lr, check)
         ctx = self.step_context(dense, offsets, indices, labels, lr)
         x, ly, z, logits = self._forward_stages(ctx)
         loss, probs = self.loss_forward(ctx, logits)
         dlogits = self.loss_backward(ctx, probs)
-        if loss_scale != 1.0:
-            dlogits = dlogits * np.float32(loss_scale)
         dz, top_grads = self.top_backward(ctx, dlogits, z)
         dx, dly = self.interaction_backward(ctx, dz, x, ly)
         self.embedding_backward_start(ctx, dly)

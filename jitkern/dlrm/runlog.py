@@ -7,6 +7,8 @@ The Trainer calls every hook's epoch_start, epoch_end, eval_start, evaluated and
 from __future__ import annotations
 
 import importlib
+import logging
+import sys
 
 
 class Hook:
@@ -31,12 +33,16 @@ class Hook:
         pass
 
 
+class MissingPackage(ValueError):
+    """A flag needs an optional package that is not installed."""
+
+
 def require(module: str, flag: str, extra: str) -> object:
     """Import an optional package for a flag, or a one-line error naming both."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"{flag} needs the {extra} package, which is not installed "
+        raise MissingPackage(f"{flag} needs the {extra} package, which is not installed "
                           f"(pip install {extra}, or jitkern's extra: pip install -e \".[reference]\")") from None
 
 
@@ -47,6 +53,9 @@ class MLPerfLog(Hook):
         mllog = require("mlperf_logging.mllog", "--mlperf-logging", "mlperf-logging")
         self.c = importlib.import_module("mlperf_logging.mllog.constants")
         self.log = mllog.get_mllogger()
+        for h in self.log.logger.handlers:            # its console handler: to this process's stdout now
+            if type(h) is logging.StreamHandler:     # (devnull on ranks > 0; a test's capture)
+                h.stream = sys.stdout                 # (setStream would flush the old one, maybe closed)
         self.nbatches = max(1, nbatches)
         self.log.event(key=self.c.CACHE_CLEAR, value=True)
         self.log.start(key=self.c.INIT_START, value=None)

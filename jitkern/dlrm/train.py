@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .atomic import atomic_write
-from .batch import Batch
 from .interrupt import Interrupted, deferred_signals
 from .metrics import evaluate_scores
 from .model import DLRM, StageTimer
@@ -256,7 +255,7 @@ class TrainOptions:
     mlperf_acc_threshold: float = 0.0   # stop once test accuracy exceeds it (0: off)
     progress: bool | None = None      # None: a tqdm bar when stderr is a terminal
     print_wall_time: bool = False     # loss lines end in " (HH:MM)"
-    grad_accum: int = 1               # batches per update (their gradients summed, as one step)
+    grad_accum: int = 1               # --mlperf-grad-accum-iter: the reference's: only every N-th batch updates
     hooks: tuple = ()                 # objects told of losses, evaluations and epochs (runlog.py)
 
 
@@ -412,14 +411,11 @@ class Trainer:
         while True:
             t0 = time.perf_counter()
             batch = next(it, None)
-            group = [batch] if batch is not None else []
-            while 0 < len(group) < self.opts.grad_accum and (b := next(it, None)) is not None:
-                group.append(b)
             if self.timer is not None:
                 self.timer.add("data", time.perf_counter() - t0)
-            if not group:
+            if batch is None:
                 return None
-            self._step(group)
+            self._step(batch)
             if bar is not None:
                 bar.update(1)
             if self._after_step():
@@ -428,23 +424,26 @@ class Trainer:
             if signum:
                 return signum
 
-    def _step(self, group) -> None:
-        """One update at the scheduled rate from a group of batches (one, unless --mlperf-grad-accum-iter:
-        their gradients summed, as the reference accumulates them); errors name the batch and epoch."""
+    def _step(self, batch) -> None:
+        """One train_step at the scheduled rate; errors name the batch and epoch. With grad_accum N
+        (--mlperf-grad-accum-iter), as the reference: it zeroes the gradients right before the
+        N-th batch's backward, so only every N-th batch updates (with its own gradient) and the
+        others are forward only."""
         st = self.state
         t1 = time.perf_counter()
-        batch = group[0] if len(group) == 1 else concat_batches(group)
-        scale = {} if len(group) == 1 else {"loss_scale": float(len(group))}
+        update = (st.batch + 1) % self.opts.grad_accum == 0
         try:
-            loss = self.model.train_step(batch.dense, batch.offsets, batch.indices, batch.labels,
-                                         self.schedule(st.step), **scale)
+            if update:
+                loss = self.model.train_step(batch.dense, batch.offsets, batch.indices, batch.labels,
+                                             self.schedule(st.step))
+            else:
+                loss = self.model.batch_loss(batch.dense, batch.offsets, batch.indices, batch.labels)
         except (ValueError, IndexError, TypeError) as e:
             raise type(e)(f"batch {st.batch} of epoch {st.epoch}: {e}") from None
         st.train_seconds += time.perf_counter() - t1
-        st.step, st.batch, st.samples = st.step + 1, st.batch + len(group), st.samples + batch.size
+        st.step, st.batch, st.samples = st.step + update, st.batch + 1, st.samples + batch.size
         st.pending_losses.append(loss)
         st.pending_samples.append(batch.size)
-        self._printed_batch = st.batch - len(group)
 
     def _after_step(self) -> bool:
         """Report, evaluate and save as the options ask; True when the AUC threshold is reached."""
@@ -452,8 +451,7 @@ class Trainer:
         end_of_epoch = st.batch == len(self.train_data)
         last = end_of_epoch and st.epoch == opts.nepochs - 1
         # as the reference: every print_freq batches of an epoch, and at its end
-        crossed = opts.print_freq > 0 and st.batch // opts.print_freq > self._printed_batch // opts.print_freq
-        if crossed or end_of_epoch:
+        if (opts.print_freq > 0 and st.batch % opts.print_freq == 0) or end_of_epoch:
             self._since = self._report(self._since)
         if (opts.test_freq > 0 and st.step % opts.test_freq == 0) and not last:
             m = self.evaluate()
@@ -503,17 +501,6 @@ def _mean_loss(losses, samples) -> float:
     if len(samples) == len(losses) and len(set(samples)) > 1:
         return float(np.dot(losses, samples) / np.sum(samples))
     return float(np.mean(losses))
-
-
-def concat_batches(batches):
-    """One Batch holding the samples of several, in order (their gradients then sum in one step)."""
-    offsets = []
-    for t in range(batches[0].num_tables):
-        shift = np.cumsum([0] + [len(b.indices[t]) for b in batches[:-1]])
-        offsets.append(np.concatenate([b.offsets[t] + s for b, s in zip(batches, shift)]))
-    return Batch(np.concatenate([b.dense for b in batches]), np.stack(offsets),
-                 [np.concatenate([b.indices[t] for b in batches]) for t in range(batches[0].num_tables)],
-                 np.concatenate([b.labels for b in batches]))
 
 
 def state_from_meta(meta: dict) -> TrainState:
