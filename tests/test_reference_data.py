@@ -48,9 +48,10 @@ def test_kaggle_script_runs_unchanged_preprocessing_on_first_use(tmp_path, capsy
     assert "preprocessing 1 file(s) into input/kaggleAdDisplayChallenge_processed.jitkern (first use)" in first
     assert re.search(r"Finished training it 1/1 of epoch 0, loss \S+, \S+ ms/it", first)
     assert re.search(r"Testing at it 1/1: .*\(7 samples\)", first)
+    made = (tmp_path / "input" / "kaggleAdDisplayChallenge_processed.jitkern" / "meta.json").stat().st_mtime_ns
     second = _run(KAGGLE_SH, capsys)                   # reads what the first run wrote
-    assert "Reading pre-processed data=input/kaggleAdDisplayChallenge_processed.jitkern" in second
-    assert "first use" not in second
+    assert "first use" not in second and "Finished training it 1/1 of epoch 0" in second
+    assert (tmp_path / "input" / "kaggleAdDisplayChallenge_processed.jitkern" / "meta.json").stat().st_mtime_ns == made
 
 
 def test_terabyte_script_runs_unchanged_on_24_day_files(tmp_path, capsys, monkeypatch):
@@ -69,6 +70,8 @@ def test_missing_processed_file_without_raw_names_the_flag(tmp_path, capsys, mon
     code = main(["--data-generation=dataset", "--processed-data-file=./nothing.npz"])
     assert code == 2
     assert "--processed-data-file ./nothing.npz: not found, and no --raw-data-file" in capsys.readouterr().err
+    assert main(["--data-generation=dataset"]) == 2
+    assert "--data-generation dataset needs --processed-data-file" in capsys.readouterr().err
 
 
 def test_reference_splits_draw_the_reference_permutations():

@@ -111,7 +111,10 @@ def model_options(args, sizes) -> dict:
                 weighted_pooling=args.weighted_pooling,
                 loss_threshold=args.loss_threshold if 0.0 < args.loss_threshold < 1.0 else 0.0)  # else off, as the reference
     if args.loss_function == "wbce":
-        weights = [float(v) for v in args.loss_weights.split("-")]
+        try:
+            weights = [float(v) for v in args.loss_weights.split("-")]
+        except ValueError:
+            weights = []
         if len(weights) != 2:
             raise preflight.PreflightError(f"--loss-weights takes the weights of labels 0 and 1 (w0-w1), got "
                                            f"{args.loss_weights!r}")

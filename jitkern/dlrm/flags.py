@@ -6,7 +6,8 @@ reference's, which `--reference-defaults` applies all at once (flags given still
 reference's `type=bool` flags take a value here too (`--round-targets=True`) but read it as
 written: "False" and "0" are false (the reference's type=bool reads any non-empty text as true),
 and alone they are switches (`--round-targets`). A flag that cannot apply is accepted by the
-parser and refused by `refusals` with one line naming it and why.
+parser and refused by `refusals` with one line naming it and why. Values are checked where they
+are used (cli.py), so that every bad value is one line naming its flag.
 """
 from __future__ import annotations
 
@@ -37,23 +38,6 @@ def boolean(text) -> bool:
     raise argparse.ArgumentTypeError(f"must be True or False (1 or 0), got {text!r}")
 
 
-def dash_ints(text) -> str:
-    """A dash-separated list of ints (checked here, parsed where used), as the reference's."""
-    try:
-        [int(v) for v in str(text).split("-")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a dash-separated list of ints") from None
-    return text
-
-
-def dash_floats(text) -> str:
-    try:
-        [float(v) for v in str(text).split("-")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a dash-separated list of floats") from None
-    return text
-
-
 def _switch(group, flag, default, help_):
     """A reference type=bool flag: a switch alone, or =True/False/1/0."""
     group.add_argument(flag, type=boolean, nargs="?", const=True, default=default, metavar="BOOL", help=help_)
@@ -62,10 +46,10 @@ def _switch(group, flag, default, help_):
 def _model_flags(p):
     a = p.add_argument_group("model")
     a.add_argument("--arch-sparse-feature-size", type=int, default=16, help="embedding dim D")
-    a.add_argument("--arch-embedding-size", type=dash_ints, default="10-20-40-80-160-320-640-1280",
+    a.add_argument("--arch-embedding-size", default="10-20-40-80-160-320-640-1280",
                    help="rows per table, dash-separated (ignored with --data-generation dataset)")
-    a.add_argument("--arch-mlp-bot", type=dash_ints, default="13-64-16", help="bottom MLP: n_dense-...-D")
-    a.add_argument("--arch-mlp-top", type=dash_ints, default="64-32-1", help="top MLP without its input width: ...-1")
+    a.add_argument("--arch-mlp-bot", default="13-64-16", help="bottom MLP: n_dense-...-D")
+    a.add_argument("--arch-mlp-top", default="64-32-1", help="top MLP without its input width: ...-1")
     a.add_argument("--arch-interaction-op", choices=("dot", "cat"), default="dot")
     a.add_argument("--arch-interaction-itself", action="store_true", default=False)
     a.add_argument("--activation-function", choices=("relu", "sigmoid"), default="relu",
@@ -92,7 +76,7 @@ def _loss_flags(p):
     a.add_argument("--loss-function", choices=("mse", "bce", "wbce"), default=None,
                    help="the reference's, on the float32 probabilities as torch computes them (bce: "
                         "torch's BCELoss, logs clamped at -100); not given: BCE from the logits (finite for any logit)")
-    a.add_argument("--loss-weights", type=dash_floats, default="1.0-1.0",
+    a.add_argument("--loss-weights", default="1.0-1.0",
                    help="wbce: weights of labels 0 and 1, w0-w1")
     a.add_argument("--loss-threshold", type=float, default=0.0,
                    help="clamp probabilities to [t, 1 - t] before the loss (0: off)")

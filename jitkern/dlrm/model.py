@@ -154,6 +154,7 @@ class DLRM:
         self.top_mlp = [width] + [int(n) for n in top_mlp]
         self.timer = _NullTimer()
         self._buffers: dict[int, _Buffers] = {}
+        self.pool_w = None                 # learned pooling weights per table (set by _init_parameters)
         self._init_parameters(np.random.RandomState(seed) if init_stream is None else init_stream)
         self._init_optimizer_state()
 

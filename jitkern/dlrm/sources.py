@@ -119,12 +119,14 @@ def _first_use(paths: ReferencePaths, args, log) -> Path:
     """The raw data preprocessed into jitkern's layout beside the processed file (once)."""
     out = paths.jitkern_dir
     if is_dataset_dir(out):
-        log(f"Reading pre-processed data={out}")
         return out
+    if not args.raw_data_file and not args.processed_data_file:
+        raise preflight.PreflightError("--data-generation dataset needs --processed-data-file (or --raw-data-file "
+                                       "to preprocess on first use); make one with `python -m jitkern preprocess "
+                                       "--raw FILE --out DIR`")
     if not args.raw_data_file:
         raise preflight.PreflightError(
-            f"--processed-data-file {args.processed_data_file or '(none)'}: not found, and no --raw-data-file "
-            "to preprocess")
+            f"--processed-data-file {args.processed_data_file}: not found, and no --raw-data-file to preprocess")
     raws = paths.raw_files()
     for f in raws:
         preflight.check_raw_file(f)
@@ -146,10 +148,8 @@ def dataset_splits(args, rs, log=print):
             counts = args.raw_data_file + "_fea_count.npz"        # where the reference reads them
             return tuple(load_mlperf_bin(prefix, s, counts) for s in ("train", "test")) + ("bin",)
     if args.memory_map and paths.memory_map_ready():
-        log(f"Reading pre-processed days={paths.reordered(0)} ...")
         return load_reordered_days(paths, "train"), load_reordered_days(paths, "test"), "reference"
     if args.processed_data_file and os.path.exists(args.processed_data_file):
-        log(f"Reading pre-processed data={args.processed_data_file}")
         if _processed_kind(args.processed_data_file) == "reference-npz":
             splits = ReferenceSplits(args.processed_data_file, paths.day_count, args.data_randomize, rs)
             return splits.dataset("train"), splits.dataset("test"), "reference"
