@@ -183,3 +183,12 @@ def test_quantized_inference_equals_dequantized_tables(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tables quantized row-wise to 4 bits" in out and "Testing at it 4/4" in out
     del m
+
+
+def test_one_process_options_are_named_under_mpi():
+    from jitkern.dlrm import cli, flags, preflight
+    for argv, text in ((["--optimizer", "rwsadagrad"], "--optimizer rwsadagrad"), (["--qr-flag"], "--qr-flag"),
+                       (["--weighted-pooling", "learned"], "--weighted-pooling learned")):
+        with pytest.raises(preflight.PreflightError, match=f"{text}: runs in one process only"):
+            cli._one_process_only(flags.parse_args(argv))
+    cli._one_process_only(flags.parse_args(["--loss-function", "mse", "--activation-function", "sigmoid"]))

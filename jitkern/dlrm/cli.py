@@ -132,6 +132,16 @@ def model_options(args, sizes) -> dict:
     return opts
 
 
+def _one_process_only(args) -> None:
+    """The reference's options the hybrid-parallel model does not train (yet): named, one line."""
+    for flag, on in (("--optimizer " + args.optimizer, args.optimizer != "sgd"), ("--qr-flag", args.qr_flag),
+                     ("--md-flag", args.md_flag), (f"--weighted-pooling {args.weighted_pooling}", args.weighted_pooling),
+                     (f"--quantize-emb-with-bit {args.quantize_emb_with_bit}", args.quantize_emb_with_bit != 32)):
+        if on:
+            raise preflight.PreflightError(f"{flag}: runs in one process only; under mpiexec the tables train "
+                                           "as plain SGD tables")
+
+
 def _arch(args, sizes, bot, top, opts) -> dict:
     """The checkpoint architecture this run's model has (what --load-model must match)."""
     dense, table = make_optimizers(opts["optimizer"])
@@ -157,6 +167,8 @@ def _preflight(args, comm, log):
     rs = np.random.RandomState(args.numpy_rand_seed)   # data permutations, then the model's init (as the reference)
     sizes, bot, top, train_data, test_data = _architecture(args, rs, log)
     opts = model_options(args, sizes)
+    if comm is not None:
+        _one_process_only(args)
     LRSchedule(args.learning_rate, args.lr_num_warmup_steps, args.lr_decay_start_step, args.lr_num_decay_steps)
     if args.load_model:
         preflight.check_load_source(args.load_model, _arch(args, sizes, bot, top, opts))
