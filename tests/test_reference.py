@@ -44,10 +44,13 @@ def test_reference_command_lines_print_the_reference_losses(case, capsys):
 
 
 def test_default_loss_is_the_reference_bce_unsaturated(capsys):
-    """The issue's first check: jitkern's default loss (BCE from the logits) and the reference's
-    --loss-function=bce print the same losses while no probability rounds to 0 or 1."""
-    bce = next(c for c in CASES if c["flags"] == "--loss-function=bce")
-    _same(_losses(LOSSES["base"].split(), capsys), bce["losses"])
+    """Issue 19's command line: jitkern's default loss (BCE from the logits) and the reference's
+    --loss-function=bce print the same six losses (no probability rounds to 0 or 1 there)."""
+    full = json.loads((DATA / "reference_losses_full.json").read_text())
+    bce = next(c for c in full["cases"] if c["flags"] == "--loss-function=bce")
+    assert [r[2] for r in bce["losses"]][0] == "0.694349" and bce["losses"][-1][2] == "0.693727"
+    _same(_losses(full["base"].split(), capsys), bce["losses"])
+    _same(_losses(full["base"].split() + ["--loss-function=bce"], capsys), bce["losses"])
 
 
 def test_md_solver_is_the_reference_algorithm():
