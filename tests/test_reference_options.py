@@ -192,3 +192,21 @@ def test_one_process_options_are_named_under_mpi():
         with pytest.raises(preflight.PreflightError, match=f"{text}: runs in one process only"):
             cli._one_process_only(flags.parse_args(argv))
     cli._one_process_only(flags.parse_args(["--loss-function", "mse", "--activation-function", "sigmoid"]))
+
+
+def test_optimizer_pairs_follow_the_reference():
+    from jitkern.dlrm.optimizers import describe, make_optimizers
+    cases = {("sgd", None): ("sgd", "sgd"), ("adagrad", None): ("adagrad", "adagrad"),
+             ("rwsadagrad", None): ("adagrad", "rowwise_adagrad"), ("sgd", "rowwise_adagrad"): ("sgd", "rowwise_adagrad"),
+             ("adagrad", "sgd"): ("adagrad", "sgd")}
+    for (opt, table), names in cases.items():
+        dense, tab = make_optimizers(opt, table)
+        assert (dense.name, tab.name) == names
+        assert describe(dense, tab) == ("sgd" if names == ("sgd", "sgd") else "/".join(names))
+    dense, tab = make_optimizers("rwsadagrad", eps=1e-7)
+    assert dense.eps == tab.eps == 1e-7 and make_optimizers("adagrad")[1].eps == 1e-10
+    assert tab.state(5, 3).shape == (5,) and make_optimizers("adagrad")[1].state(5, 3).shape == (5, 3)
+    with pytest.raises(ValueError, match="table_optimizer must be one of"):
+        make_optimizers("sgd", "adam")
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        make_optimizers("adagrad", eps=-1)
