@@ -119,3 +119,127 @@ def test_argument_errors():
             K.sigmoid_bce_forward(z, y2)
         with pytest.raises(ValueError, match=r"labels must lie in \[0, 1\]"):
             K.sigmoid_bce_backward(z, y2)
+
+
+# --------------------------------------------------------------------------- the reference's losses
+
+KINDS = ("bce", "bce_prob", "mse", "wbce")
+thresholds = st.one_of(st.just(0.0), st.floats(0.0009765625, 0.875, width=32))
+
+
+@st.composite
+def loss_cases(draw):
+    z, y = draw(batches(max_b=200))
+    kind = draw(st.sampled_from(KINDS))
+    w = draw(st.tuples(st.floats(0, 5), st.floats(0, 5))) if kind == "wbce" else None
+    return z, y, kind, w, draw(thresholds)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@given(loss_cases())
+def test_sigmoid_loss_matches_reference(case):
+    z, y, kind, w, t = case
+    kw = dict(loss=kind, class_weights=w, threshold=t)
+    loss, probs = K.sigmoid_loss_forward(z, y, **kw)
+    rloss, rprobs = R.sigmoid_loss_forward(z, y, **kw)
+    assert math.isfinite(loss)
+    assert loss == pytest.approx(rloss, rel=1e-7, abs=1e-12)
+    np.testing.assert_array_equal(probs, rprobs)
+    if 0 < t <= 0.5:
+        assert (probs >= np.float32(t)).all() and (probs <= np.float32(1 - t)).all()
+    elif t > 0.5:                                            # min > max: torch.clamp gives max
+        assert (probs == np.float32(1 - t)).all()
+    d, rd = K.sigmoid_loss_backward(z, y, **kw), R.sigmoid_loss_backward(z, y, **kw)
+    np.testing.assert_allclose(d, rd, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sigmoid_loss_gradient_is_the_derivative_of_the_mean(kind):
+    rng = np.random.default_rng(1)
+    z = rng.uniform(-3, 3, 9).astype(np.float32)
+    y = np.concatenate([rng.integers(0, 2, 5), rng.uniform(0, 1, 4)]).astype(np.float32)
+    w = (0.3, 1.7) if kind == "wbce" else None
+    d = K.sigmoid_loss_backward(z, y, loss=kind, class_weights=w, threshold=0.01)
+
+    def mean_loss(zz):                     # in float64, without the float32 rounding of p
+        p = 1 / (1 + np.exp(-zz))
+        p = np.clip(p, 0.01, 0.99)
+        if kind == "mse":
+            return ((p - y) ** 2).mean()
+        ww = np.asarray(w)[(y >= 1).astype(int)] if w else 1.0
+        return (ww * -(y * np.log(p) + (1 - y) * np.log1p(-p))).mean()
+    h = 1e-5
+    for b in range(len(z)):
+        zp, zm = z.astype(np.float64), z.astype(np.float64)
+        zp[b] += h
+        zm[b] -= h
+        assert d[b] == pytest.approx((mean_loss(zp) - mean_loss(zm)) / (2 * h), rel=2e-4, abs=1e-9)
+
+
+def test_clamped_probabilities_pass_no_gradient_and_bce_equals_sigmoid_bce():
+    z = np.array([-6.0, -0.1, 0.0, 0.1, 6.0], np.float32)
+    y = np.array([1, 0, 1, 0, 1], np.float32)
+    d = K.sigmoid_loss_backward(z, y, loss="mse", threshold=0.4)
+    assert d[0] == 0 and d[4] == 0 and (d[1:4] != 0).all()
+    loss, probs = K.sigmoid_loss_forward(z, y, loss="bce")
+    ref_loss, ref_probs = K.sigmoid_bce_forward(z, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-15)
+    np.testing.assert_array_equal(probs, ref_probs)
+
+
+def test_bce_prob_saturates_as_torch():
+    # p rounds to 1 in float32: each log term clamps at -100 and no gradient passes
+    z = np.array([30.0, 30.0, -100.0], np.float32)
+    y = np.array([1.0, 0.0, 1.0], np.float32)
+    loss, probs = K.sigmoid_loss_forward(z, y, loss="bce_prob")
+    assert loss == pytest.approx((0.0 + 100.0 + 100.0) / 3)
+    np.testing.assert_array_equal(probs, [1.0, 1.0, 0.0])
+    np.testing.assert_array_equal(K.sigmoid_loss_backward(z, y, loss="bce_prob"), [0.0, 0.0, 0.0])
+
+
+def test_matches_torch_losses():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    z = np.concatenate([rng.uniform(-20, 20, 300), rng.uniform(-2, 2, 100)]).astype(np.float32)
+    y = np.concatenate([rng.integers(0, 2, 300), rng.uniform(0, 1, 100)]).astype(np.float32)
+    for kind, t, w in (("bce_prob", 0.0, None), ("mse", 0.0, None), ("wbce", 0.0, (0.3, 0.7)),
+                       ("bce_prob", 0.2, None), ("mse", 0.45, None)):
+        zt = torch.from_numpy(z).requires_grad_()
+        p = torch.sigmoid(zt)
+        if t:
+            p = torch.clamp(p, min=t, max=1 - t)
+        yt = torch.from_numpy(y)
+        if kind == "mse":
+            lt = torch.nn.MSELoss()(p, yt)
+        elif kind == "bce_prob":
+            lt = torch.nn.BCELoss()(p, yt)
+        else:
+            lt = (torch.tensor(w, dtype=torch.float32)[yt.long()] * torch.nn.BCELoss(reduction="none")(p, yt)).mean()
+        lt.backward()
+        loss, probs = K.sigmoid_loss_forward(z, y, loss=kind, class_weights=w, threshold=t)
+        assert loss == pytest.approx(lt.item(), rel=2e-6), kind
+        # torch's exp (SLEEF's, within 1 ulp) is not rounded as ours: p within 2 ulp, and near 1,
+        # where 1 - p decides BCE, the rounding of 1 + exp(-z) is torch's
+        pt = p.detach().numpy()
+        np.testing.assert_allclose(probs, pt, rtol=2.5e-7, atol=0)
+        assert np.mean(probs[pt > 0.5] != pt[pt > 0.5]) < 0.02
+        np.testing.assert_allclose(K.sigmoid_loss_backward(z, y, loss=kind, class_weights=w, threshold=t),
+                                   zt.grad.numpy(), rtol=1e-5, atol=1e-9)
+
+
+def test_sigmoid_loss_argument_errors():
+    z, y = np.zeros(3, np.float32), np.ones(3, np.float32)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        K.sigmoid_loss_forward(z, y, loss="hinge")
+    with pytest.raises(ValueError, match="needs class_weights"):
+        K.sigmoid_loss_forward(z, y, loss="wbce")
+    with pytest.raises(ValueError, match="class_weights must be 2 finite"):
+        K.sigmoid_loss_backward(z, y, loss="wbce", class_weights=(1.0,))
+    with pytest.raises(ValueError, match="class_weights apply to loss='wbce' only"):
+        K.sigmoid_loss_forward(z, y, loss="mse", class_weights=(1.0, 2.0))
+    with pytest.raises(ValueError, match=r"threshold must be in \[0, 1\)"):
+        K.sigmoid_loss_forward(z, y, threshold=1.0)
+    with pytest.raises(ValueError, match="threshold must be >= 0"):
+        K.sigmoid_loss_forward(z, y, threshold=-0.1)
+    with pytest.raises(ValueError, match="labels has B=2 but logits has B=3"):
+        K.sigmoid_loss_forward(z, y[:2], loss="mse")

@@ -1,30 +1,33 @@
-"""The DLRM trainer's command line: dlrm_s_pytorch.py's flags, plus --threads, --embedding-precision,
---autotune, --profile and --plot (and --sharding, --rank-memory-gb under mpiexec). Entry points:
+"""The DLRM trainer's runner: what the flags (flags.py: dlrm_s_pytorch.py's, and jitkern's own)
+ask, from the checks before any work to the report at the end (under mpiexec, --sharding
+and --rank-memory-gb place the tables). Entry points:
 `python examples/dlrm_numba.py` and `python -m jitkern train`.
 
 With no flags it trains a small model on learnable synthetic data for a few seconds.
 """
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import sys
 import time
+
+import numpy as np
 
 from .. import set_num_threads
 from ..config import debug_level, get_config, sleep_idle_workers
 from ..report import print_table
 from . import preflight
 from .autotune import tune_for, tune_for_ranks
-from .data import iterate_batches, load_preprocessed, table_sizes
+from .flags import PROG, build_parser, notes, parse_args, refusals  # noqa: F401  (build_parser: cli's API)
 from .interrupt import Interrupted, raising_signals
 from .launch import comm_from_env, launch_rank, write_lines
-from .model import DLRM, StageTimer
-from .synth import RandomData, SyntheticData
+from .model import DLRM, StageTimer, arch_extras
+from .optimizers import describe, make_optimizers
+from .runlog import MLPerfLog, TensorBoardLog, require
+from .sources import build_dataset, build_generated, prefetched
+from .tables import QR, md_solver
 from .train import LRSchedule, TrainOptions, Trainer, arch_dict, load_checkpoint, state_from_meta
 
-PROG = "dlrm"
 
 
 def _sizes(flag, text):
@@ -37,149 +40,14 @@ def _sizes(flag, text):
     return sizes
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Train a DLRM with jitkern's kernels "
-                                "(flags as dlrm_s_pytorch.py; the defaults are a small synthetic run).")
-    a = p.add_argument_group("model")
-    a.add_argument("--arch-sparse-feature-size", type=int, default=16, help="embedding dim D")
-    a.add_argument("--arch-embedding-size", default="10-20-40-80-160-320-640-1280",
-                   help="rows per table, dash-separated (ignored with --data-generation dataset)")
-    a.add_argument("--arch-mlp-bot", default="13-64-16", help="bottom MLP: n_dense-...-D")
-    a.add_argument("--arch-mlp-top", default="64-32-1", help="top MLP without its input width: ...-1")
-    a.add_argument("--arch-interaction-op", choices=("dot", "cat"), default="dot")
-    a.add_argument("--arch-interaction-itself", action="store_true", default=False)
-    a.add_argument("--embedding-precision", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: Split-SGD tables (bf16 lookups, exact fp32 updates)")
-    d = p.add_argument_group("data")
-    d.add_argument("--data-generation", choices=("random", "synthetic", "dataset"), default="synthetic",
-                   help="random: the reference's generator; synthetic: learnable (hidden teacher); "
-                        "dataset: preprocessed Criteo data")
-    d.add_argument("--num-indices-per-lookup", type=int, default=1)
-    d.add_argument("--num-indices-per-lookup-fixed", action="store_true", default=False)
-    d.add_argument("--round-targets", action="store_true", default=False, help="random: 0/1 labels")
-    d.add_argument("--data-size", type=int, default=0, help="random: samples per epoch (0: batches x batch size)")
-    d.add_argument("--processed-data-file", default="", help="dataset: directory written by `jitkern preprocess`")
-    d.add_argument("--raw-data-file", default="", help="dataset: raw Criteo log (preprocess it first)")
-    d.add_argument("--max-ind-range", type=int, default=-1, help="dataset: ids modulo this many rows")
-    d.add_argument("--data-randomize", choices=("none", "total"), default="total",
-                   help="dataset: shuffle training batches (by block)")
-    d.add_argument("--numpy-rand-seed", type=int, default=123)
-    t = p.add_argument_group("training")
-    t.add_argument("--mini-batch-size", type=int, default=256)
-    t.add_argument("--num-batches", type=int, default=1000, help="batches per epoch (0: the whole data set)")
-    t.add_argument("--nepochs", type=int, default=1)
-    t.add_argument("--learning-rate", type=float, default=0.5)
-    t.add_argument("--lr-num-warmup-steps", type=int, default=0)
-    t.add_argument("--lr-decay-start-step", type=int, default=0)
-    t.add_argument("--lr-num-decay-steps", type=int, default=0)
-    t.add_argument("--mlperf-auc-threshold", type=float, default=0.0, help="stop once test AUC reaches it")
-    e = p.add_argument_group("evaluation and output")
-    e.add_argument("--test-freq", type=int, default=250,
-                   help="evaluate before training and every N iterations (-1: only at the end)")
-    e.add_argument("--test-mini-batch-size", type=int, default=-1, help="(-1: --mini-batch-size)")
-    e.add_argument("--num-test-batches", type=int, default=0, help="held-out batches (0: a tenth, at least 4)")
-    e.add_argument("--print-freq", type=int, default=250)
-    e.add_argument("--print-time", action="store_true", default=False)
-    e.add_argument("--save-model", default="", help="checkpoint file, written at every test and at the end")
-    e.add_argument("--load-model", default="", help="resume from this checkpoint")
-    e.add_argument("--inference-only", action="store_true", default=False, help="evaluate only")
-    e.add_argument("--threads", type=int, default=0, help="kernel threads (0: numba's default)")
-    e.add_argument("--autotune", action="store_true", default=False,
-                   help="before training, tune the kernels for this model's shapes where the tuning DB "
-                        "has no entry yet (stored: later runs time nothing)")
-    e.add_argument("--profile", action="store_true", default=False, help="print a per-op time table at the end")
-    _add_rank_flags(p)
-    e.add_argument("--plot", default="", metavar="FILE.png", help="loss and AUC curves (needs matplotlib)")
-    e.add_argument("--progress", choices=("auto", "on", "off"), default="auto", help="tqdm progress bar")
-    return p
-
-
-def _gigabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of GB >= 0, got {text!r}")
-    return value
-
-
-def _add_rank_flags(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("many ranks (mpiexec)")
-    m.add_argument("--sharding", choices=("auto", "table", "row", "column", "table_row", "replicate"), default="auto",
-                   help="how tables are split over the ranks: auto (the cost-model planner), or one kind for every "
-                        "table (the plan is printed at start)")
-    m.add_argument("--rank-memory-gb", type=_gigabytes, default=0.0,
-                   help="memory per rank the plan must fit, GB (0: this machine's RAM over its ranks); a table "
-                        "larger than it is split row-wise")
-
-
-# --------------------------------------------------------------------------- data
-
-
-class DatasetData:
-    """Adapter from jitkern.dlrm.data (preprocessed Criteo) to the trainer's batch-source protocol."""
-
-    def __init__(self, path, split, batch_size, num_batches, *, shuffle, seed, max_ind_range):
-        self.ds = load_preprocessed(path, split)
-        self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
-        self.max_ind_range = max_ind_range if max_ind_range > 0 else None
-        full = math.ceil(len(self.ds) / batch_size)
-        if full == 0:
-            raise ValueError(f"{path}: the {split} split is empty")
-        self.num_batches = min(num_batches, full) if num_batches > 0 else full
-        self.num_dense = self.ds.dense.shape[1]
-        self.embedding_sizes = table_sizes(self.ds, self.max_ind_range)
-
-    def __len__(self):
-        return self.num_batches
-
-    def batches(self, epoch=0, start=0):
-        it = iterate_batches(self.ds, self.batch_size, shuffle=self.shuffle, seed=self.seed + epoch,
-                           max_ind_range=self.max_ind_range, drop_last=False)
-        for i, b in enumerate(it):
-            if i >= self.num_batches:
-                return
-            if i >= start:
-                yield b
-
-
-def build_data(args, sizes, num_dense):
-    """(train, test) batch sources for the chosen --data-generation."""
+def build_data(args, sizes, num_dense, rs, log=print):
+    """(train, test) batch sources for the chosen --data-generation (rs: the run's NumPy stream)."""
     test_bs = args.test_mini_batch_size if args.test_mini_batch_size > 0 else args.mini_batch_size
     if args.data_generation == "dataset":
-        if not args.processed_data_file:
-            if args.raw_data_file:
-                preflight.check_raw_file(args.raw_data_file)
-            hint = f" --raw {args.raw_data_file}" if args.raw_data_file else " --raw FILE"
-            raise ValueError("--data-generation dataset needs --processed-data-file DIR; make it with "
-                             f"`python -m jitkern preprocess{hint} --out DIR`")
-        common = dict(seed=args.numpy_rand_seed, max_ind_range=args.max_ind_range)
-        try:
-            train = DatasetData(args.processed_data_file, "train", args.mini_batch_size, args.num_batches,
-                                shuffle=args.data_randomize == "total", **common)
-            test = DatasetData(args.processed_data_file, "test", test_bs, args.num_test_batches,
-                               shuffle=False, **common)
-        except (ValueError, OSError) as e:
-            raise type(e)(f"--processed-data-file: {e}") from None
-        return train, test
-    if args.num_batches <= 0 and not (args.data_generation == "random" and args.data_size > 0):
-        raise ValueError("--num-batches must be > 0 for generated data (or give --data-size with random)")
-    n_train = args.num_batches or math.ceil(args.data_size / args.mini_batch_size)
-    n_test = args.num_test_batches or max(4, math.ceil(n_train * args.mini_batch_size / test_bs / 10))
-    k, fixed, seed = args.num_indices_per_lookup, args.num_indices_per_lookup_fixed, args.numpy_rand_seed
-    if k < 1:
-        raise ValueError(f"--num-indices-per-lookup must be >= 1, got {k}")
-    if args.data_generation == "random":
-        # held out: the same generator on another seed (the reference reuses the training seed)
-        common = dict(num_indices_per_lookup=k, fixed=fixed, round_targets=args.round_targets)
-        train = RandomData(sizes, num_dense, args.mini_batch_size, n_train, seed=seed,
-                           data_size=args.data_size or None, **common)
-        test = RandomData(sizes, num_dense, test_bs, n_test, seed=seed + 1, **common)
-        return train, test
-    common = dict(num_indices_per_lookup=k, fixed=fixed, seed=seed)
-    return (SyntheticData(sizes, num_dense, args.mini_batch_size, n_train, split="train", **common),
-            SyntheticData(sizes, num_dense, test_bs, n_test, split="test", **common))
+        train, test = build_dataset(args, test_bs, rs, log)
+    else:
+        train, test = build_generated(args, sizes, num_dense, test_bs)
+    return prefetched(train, args.num_workers), prefetched(test, args.test_num_workers)
 
 
 # --------------------------------------------------------------------------- reporting
@@ -223,37 +91,93 @@ def plot_curves(path, state, log=print):
 # --------------------------------------------------------------------------- main
 
 
-def _architecture(args):
+def _architecture(args, rs, log):
     """(embedding sizes, bottom MLP, top MLP, train data, test data) from the flags."""
     bot = _sizes("--arch-mlp-bot", args.arch_mlp_bot)
     top = _sizes("--arch-mlp-top", args.arch_mlp_top)
     sizes = _sizes("--arch-embedding-size", args.arch_embedding_size)
     if args.data_generation != "dataset":
-        return (sizes, bot, top) + build_data(args, sizes, bot[0])
-    train_data, test_data = build_data(args, None, None)
+        return (sizes, bot, top) + build_data(args, sizes, bot[0], rs, log)
+    train_data, test_data = build_data(args, None, None, rs, log)
     if bot[0] != train_data.num_dense:
         raise ValueError(f"--arch-mlp-bot starts with {bot[0]} but the data set has {train_data.num_dense} "
                          "dense features")
     return train_data.embedding_sizes, bot, top, train_data, test_data
 
 
-def _preflight(args, comm):
+def model_options(args, sizes) -> dict:
+    """DLRM keyword arguments for the reference's model flags."""
+    loss = {None: "bce", "bce": "bce_prob"}.get(args.loss_function, args.loss_function)
+    opts = dict(optimizer=args.optimizer, loss=loss, activation=args.activation_function,
+                weighted_pooling=args.weighted_pooling,
+                loss_threshold=args.loss_threshold if 0.0 < args.loss_threshold < 1.0 else 0.0)  # else off, as the reference
+    if args.loss_function == "wbce":
+        try:
+            weights = [float(v) for v in args.loss_weights.split("-")]
+        except ValueError:
+            weights = []
+        if len(weights) != 2:
+            raise preflight.PreflightError(f"--loss-weights takes the weights of labels 0 and 1 (w0-w1), got "
+                                           f"{args.loss_weights!r}")
+        opts["loss_weights"] = weights
+    if args.qr_flag:
+        if args.qr_collisions < 1:
+            raise preflight.PreflightError(f"--qr-collisions must be >= 1, got {args.qr_collisions}")
+        opts["qr"] = QR(args.qr_threshold, args.qr_collisions, args.qr_operation)
+    if args.md_flag:
+        dims = md_solver(sizes, args.md_temperature, args.arch_sparse_feature_size, args.md_round_dims)
+        if max(dims) != args.arch_sparse_feature_size:
+            raise preflight.PreflightError(f"--md-flag: the widest table gets {max(dims)} with --md-round-dims, not "
+                                           f"--arch-sparse-feature-size {args.arch_sparse_feature_size}")
+        opts["md_dims"] = [d if n > args.md_threshold else None for d, n in zip(dims, sizes)]
+    return opts
+
+
+def _one_process_only(args) -> None:
+    """The reference's options the hybrid-parallel model does not train (yet): named, one line."""
+    for flag, on in (("--optimizer " + args.optimizer, args.optimizer != "sgd"), ("--qr-flag", args.qr_flag),
+                     ("--md-flag", args.md_flag), (f"--weighted-pooling {args.weighted_pooling}", args.weighted_pooling),
+                     (f"--quantize-emb-with-bit {args.quantize_emb_with_bit}", args.quantize_emb_with_bit != 32)):
+        if on:
+            raise preflight.PreflightError(f"{flag}: runs in one process only; under mpiexec the tables train "
+                                           "as plain SGD tables")
+
+
+def _arch(args, sizes, bot, top, opts) -> dict:
+    """The checkpoint architecture this run's model has (what --load-model must match)."""
+    dense, table = make_optimizers(opts["optimizer"])
+    return arch_dict(sizes, args.arch_sparse_feature_size, bot, top, args.arch_interaction_op,
+                     args.arch_interaction_itself,
+                     **arch_extras(optimizer=describe(dense, table), weighted_pooling=opts["weighted_pooling"],
+                                   qr=opts.get("qr"), md_dims=opts.get("md_dims")))
+
+
+def _preflight(args, comm, log):
     """Everything the run needs later, checked before the model is built or a kernel compiled;
-    -> (embedding sizes, bottom MLP, top MLP, train data, test data)."""
+    -> (embedding sizes, bottom MLP, top MLP, train data, test data, model options, NumPy stream)."""
+    refused = refusals(args)
+    if refused:
+        raise preflight.PreflightError(refused[0])
     preflight.check_values(args)
     if args.threads:
         set_num_threads(args.threads)
-    sizes, bot, top, train_data, test_data = _architecture(args)
+    if args.mlperf_logging:
+        require("mlperf_logging.mllog", "--mlperf-logging", "mlperf-logging")
+    if args.tensor_board_filename:
+        require("tensorboardX", "--tensor-board-filename", "tensorboardX")
+    rs = np.random.RandomState(args.numpy_rand_seed)   # data permutations, then the model's init (as the reference)
+    sizes, bot, top, train_data, test_data = _architecture(args, rs, log)
+    opts = model_options(args, sizes)
+    if comm is not None:
+        _one_process_only(args)
     LRSchedule(args.learning_rate, args.lr_num_warmup_steps, args.lr_decay_start_step, args.lr_num_decay_steps)
     if args.load_model:
-        arch = arch_dict(sizes, args.arch_sparse_feature_size, bot, top, args.arch_interaction_op,
-                         args.arch_interaction_itself)
-        preflight.check_load_source(args.load_model, arch)
+        preflight.check_load_source(args.load_model, _arch(args, sizes, bot, top, opts))
     if args.save_model and not args.inference_only:
         preflight.check_save_target(args.save_model, sharded=comm is not None)
     if args.plot and not args.inference_only:
         preflight.check_plot_target(args.plot)
-    return sizes, bot, top, train_data, test_data
+    return sizes, bot, top, train_data, test_data, opts, rs
 
 
 def _rank_log(comm, log):
@@ -280,23 +204,26 @@ def _autotune(args, model, comm, log) -> None:
         log(f"autotune: every knob entry for this model's shapes was found in {db}")
 
 
-def _train_options(args) -> TrainOptions:
+def _train_options(args, hooks=()) -> TrainOptions:
     return TrainOptions(lr=args.learning_rate, warmup_steps=args.lr_num_warmup_steps,
                         decay_start_step=args.lr_decay_start_step, decay_steps=args.lr_num_decay_steps,
                         nepochs=args.nepochs, print_freq=args.print_freq, print_time=args.print_time,
                         test_freq=args.test_freq, save_model=args.save_model,
                         mlperf_auc_threshold=args.mlperf_auc_threshold,
-                        progress={"auto": None, "on": True, "off": False}[args.progress])
+                        mlperf_acc_threshold=args.mlperf_acc_threshold, print_wall_time=args.print_wall_time,
+                        grad_accum=args.mlperf_grad_accum_iter if args.mlperf_logging else 1,
+                        progress={"auto": None, "on": True, "off": False}[args.progress], hooks=tuple(hooks))
 
 
-def _build_model(args, sizes, bot, top, comm, log, num_batches):
+def _build_model(args, setup, comm, log, num_batches):
     """The model (hybrid parallel under mpiexec), resumed from --load-model if given; -> (model, state)."""
+    sizes, bot, top, _, _, opts, rs = setup
     sharded = {} if comm is None else dict(
         sharding=args.sharding, rank_memory=args.rank_memory_gb * 1e9 or None, plan_batch=args.mini_batch_size,
         plan_pooling=args.num_indices_per_lookup)
     model = DLRM(sizes, args.arch_sparse_feature_size, bot, top, interaction=args.arch_interaction_op,
                  self_interaction=args.arch_interaction_itself, embedding_precision=args.embedding_precision,
-                 seed=args.numpy_rand_seed, comm=comm, **sharded)
+                 seed=args.numpy_rand_seed, comm=comm, init_stream=rs, **opts, **sharded)
     if comm is not None:
         log(model.describe())
     log(f"{model}: {model.parameter_bytes() / 2**20:.1f} MiB of parameters, {args.data_generation} data, "
@@ -305,7 +232,36 @@ def _build_model(args, sizes, bot, top, comm, log, num_batches):
     if args.load_model:
         state = state_from_meta(load_checkpoint(args.load_model, model))
         log(f"resumed from {args.load_model} at iteration {state.step}")
+    if args.inference_only and args.quantize_emb_with_bit != 32:
+        model.quantize_tables(args.quantize_emb_with_bit)
+        log(f"tables quantized row-wise to {args.quantize_emb_with_bit} bits: "
+            f"{model.parameter_bytes() / 2**20:.1f} MiB of parameters")
     return model, state
+
+
+def _debug_print(args, model, train_data, log, when):
+    """--debug-mode: the architecture and the training batches before training, the parameters
+    before and after (arrays with --print-precision digits), as the reference prints them."""
+    with np.printoptions(precision=args.print_precision):
+        if when == "before":
+            log(f"model arch: mlp top {model.top_mlp}, mlp bot {model.bottom_mlp}, "
+                f"{model.top_mlp[0] - model.feature_dim if model.interaction == 'dot' else 0} interactions, "
+                f"{model.num_tables} tables of {model.embedding_sizes} rows, sparse feature size {model.embedding_dim}")
+            for j, b in enumerate(train_data.batches(0)):
+                log(f"mini-batch: {j}\n{b.dense}\n{np.diff(np.append(b.offsets, [[len(i)] for i in b.indices], 1))}\n"
+                    f"{b.indices}\n{b.labels}")
+        log(f"{'initial' if when == 'before' else 'updated'} parameters (weights and bias):")
+        for name, a in model.state_dict().items():
+            log(f"{name}\n{a}")
+
+
+def _hooks(args, n_train):
+    hooks = []
+    if args.mlperf_logging:
+        hooks.append(MLPerfLog(n_train))
+    if args.tensor_board_filename:
+        hooks.append(TensorBoardLog(args.tensor_board_filename, n_train))
+    return hooks
 
 
 def _train_and_report(args, trainer, t_start, log) -> None:
@@ -329,19 +285,37 @@ def _train_and_report(args, trainer, t_start, log) -> None:
 def run(args, log=print) -> int:
     comm = comm_from_env()                           # under `mpiexec -n P`: hybrid parallel
     log = _rank_log(comm, log)
-    sizes, bot, top, train_data, test_data = preflight.collective(comm, lambda: _preflight(args, comm))
+    for line in notes(args, comm is not None):
+        log(line)
+    hooks = _hooks(args, 0)[:1] if args.mlperf_logging else []      # MLPerf's INIT_START comes first
+    setup = preflight.collective(comm, lambda: _preflight(args, comm, log))
+    train_data, test_data = setup[3], setup[4]
     t_start = time.perf_counter()
-    model, state = _build_model(args, sizes, bot, top, comm, log, len(train_data))
+    model, state = _build_model(args, setup, comm, log, len(train_data))
     if args.autotune:
         _autotune(args, model, comm, log)
     timer = StageTimer() if args.profile else None
     if timer is not None:
         model.timer = timer
-    trainer = Trainer(model, train_data, test_data, _train_options(args), log=log, state=state, timer=timer)
-    if args.inference_only:
-        trainer.evaluate()
-    else:
-        _train_and_report(args, trainer, t_start, log)
+    if args.mlperf_logging:
+        hooks[0].nbatches = len(train_data)
+        hooks[0].run_start(args)
+    hooks += _hooks(args, len(train_data))[len(hooks):]
+    trainer = Trainer(model, train_data, test_data, _train_options(args, hooks), log=log, state=state, timer=timer)
+    status = "aborted"
+    try:
+        if args.debug_mode:
+            _debug_print(args, model, train_data, log, "before")
+        if args.inference_only:
+            trainer.evaluate()
+        else:
+            _train_and_report(args, trainer, t_start, log)
+            if args.debug_mode:
+                _debug_print(args, model, train_data, log, "after")
+        status = "success"
+    finally:
+        for h in hooks:
+            h.close(status)
     return 0
 
 
@@ -356,7 +330,7 @@ def _interrupted(e: Interrupted) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     sleep_idle_workers()                             # before the first parallel kernel starts the thread pool
     with raising_signals():                          # SIGTERM unwinds as Ctrl-C does
         try:

@@ -15,9 +15,6 @@ tables are never copied (state_dict returns the live fp32 arrays, as torch's doe
 """
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -25,81 +22,35 @@ import numpy as np
 from .. import ops
 from ..codegen.knobs import Workload
 from ..ops.embedding import empty_table
+from ..ops.loss import LOSSES
 from .configs import dlrm_workload, interaction_width
+from .model_state import ModelState, arch_extras
+from .optimizers import DEFAULT_EPS, describe, make_optimizers
+from .step import Buffers, NullTimer, StageTimer, StepContext
+from .tables import QR, MDTable, QRTable
+from .torchrng import TorchGenerator
+
+__all__ = ["DLRM", "StageTimer", "StepContext", "arch_extras"]
 
 INTERACTIONS = ("dot", "cat")
 PRECISIONS = ("fp32", "bf16")
+ACTIVATIONS = ("relu", "sigmoid")
+POOLINGS = (None, "fixed", "learned")
 _INIT_CHUNK = 1 << 16          # table rows drawn per call: no float64 copy of a table; cache-sized
 _LR_MAX = float(np.finfo(np.float32).max)
 
 
-class StageTimer:
-    """Accumulated wall time per stage name (the trainer's --profile table); clock: another clock
-    (time.thread_time: this thread's CPU time, what a stage costs on a core of its own)."""
-
-    def __init__(self, clock=time.perf_counter):
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self.clock = clock
-
-    @contextmanager
-    def __call__(self, name: str):
-        t0 = self.clock()
-        try:
-            yield
-        finally:
-            self.add(name, self.clock() - t0)
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        self.calls[name] = self.calls.get(name, 0) + 1
-
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-
-
-class _NullTimer:
-    @contextmanager
-    def __call__(self, name):
-        yield
-
-
-class _Buffers:
-    """Activations of one batch size, reused by every step with that size."""
-
-    def __init__(self, model: "DLRM", b: int):
-        self.size = b
-        self.bot = [np.empty((b, n), np.float32) for n in model.bottom_mlp[1:]]
-        self.top = [np.empty((b, n), np.float32) for n in model.top_mlp[1:]]
-        # pooled embeddings, one contiguous (B, D) block per table written in place via out=,
-        # handed to the interaction as a list of T views (no stacking copy)
-        self.pooled = np.empty((model.num_tables, b, model.embedding_dim), np.float32)
-        self.ly = list(self.pooled)
-        self.zero_labels = np.zeros(b, np.float32)
-
-
-@dataclass
-class StepContext:
-    """What one forward or training step passes through its stages.
-
-    dense, labels: the rows this process runs the MLPs on ((b, n_dense), (b,); labels None in
-    inference); offsets, indices: the lookups of the whole batch ((T, B), T arrays); lr: None in
-    inference; buf: the activation buffers for b rows.
-    """
-    dense: np.ndarray
-    offsets: np.ndarray
-    indices: list
-    labels: np.ndarray | None
-    lr: float | None
-    buf: _Buffers
-
-
-class DLRM:
-    """Deep Learning Recommendation Model (dlrm_s_pytorch.py's), trained by plain SGD.
+class DLRM(ModelState):
+    """Deep Learning Recommendation Model (dlrm_s_pytorch.py's).
 
     embedding_sizes: rows per table (T tables); embedding_dim: D;
     bottom_mlp: [n_dense, ..., D]; top_mlp: [..., 1] without its input width (derived).
+    The reference's options: optimizer "sgd" | "adagrad" | "rwsadagrad" (table_optimizer
+    "sgd" | "adagrad" | "rowwise_adagrad" overrides the tables'; eps: Adagrad's), loss "bce" |
+    "mse" | "wbce" (loss_weights: w0, w1) with loss_threshold, activation "relu" | "sigmoid"
+    (hidden layers), weighted_pooling None | "fixed" | "learned", qr: tables.QR (quotient-
+    remainder tables), md_dims: per table None or its mixed-dimension width. init_stream: the
+    NumPy stream the parameters are drawn from (default RandomState(seed)).
     """
 
     # the subclass that serves DLRM(..., comm=...): it declares itself with `comm_variant=True`
@@ -121,7 +72,9 @@ class DLRM:
         return super().__new__(cls)
 
     def __init__(self, embedding_sizes, embedding_dim, bottom_mlp, top_mlp, *, interaction="dot",
-                 self_interaction=False, embedding_precision="fp32", seed=0, comm=None):
+                 self_interaction=False, embedding_precision="fp32", seed=0, comm=None, optimizer="sgd",
+                 table_optimizer=None, eps=DEFAULT_EPS, loss="bce", loss_weights=None, loss_threshold=0.0,
+                 activation="relu", weighted_pooling=None, qr=None, md_dims=None, init_stream=None):
         self.embedding_sizes = [int(r) for r in embedding_sizes]
         self.embedding_dim = int(embedding_dim)
         self.interaction = interaction
@@ -129,13 +82,20 @@ class DLRM:
         self.embedding_precision = embedding_precision
         self.seed = seed
         self.comm = comm
+        self.dense_opt, self.table_opt = make_optimizers(optimizer, table_optimizer, eps)
+        self.loss, self.loss_weights, self.loss_threshold = loss, loss_weights, float(loss_threshold)
+        self.activation, self.weighted_pooling = activation, weighted_pooling
+        self.qr, self.md_dims = qr, None if md_dims is None else list(md_dims)
+        self._check_options()
         self._check_arch(bottom_mlp, top_mlp)
         self.bottom_mlp = [int(n) for n in bottom_mlp]
-        width = interaction_width(self.num_tables, self.embedding_dim, interaction, self.self_interaction)
+        width = interaction_width(self.num_tables, self.feature_dim, interaction, self.self_interaction)
         self.top_mlp = [width] + [int(n) for n in top_mlp]
-        self.timer = _NullTimer()
-        self._buffers: dict[int, _Buffers] = {}
-        self._init_parameters(np.random.RandomState(seed))
+        self.timer = NullTimer()
+        self._buffers: dict[int, Buffers] = {}
+        self.pool_w = None                 # learned pooling weights per table (set by _init_parameters)
+        self._init_parameters(np.random.RandomState(seed) if init_stream is None else init_stream)
+        self._init_optimizer_state()
 
     # ------------------------------------------------------------------ construction
 
@@ -155,27 +115,107 @@ class DLRM:
             raise ValueError("bottom_mlp needs [n_dense, ..., D] (>= 2 sizes), top_mlp at least [1]")
         if any(int(n) < 1 for n in list(bottom_mlp) + list(top_mlp)):
             raise ValueError(f"layer sizes must be >= 1: bottom {list(bottom_mlp)}, top {list(top_mlp)}")
-        if int(bottom_mlp[-1]) != self.embedding_dim:
-            raise ValueError(f"bottom_mlp output {bottom_mlp[-1]} != embedding_dim {self.embedding_dim}: "
+        if int(bottom_mlp[-1]) != self.feature_dim:
+            what = "2 x embedding_dim (qr concat)" if self.feature_dim != self.embedding_dim else "embedding_dim"
+            raise ValueError(f"bottom_mlp output {bottom_mlp[-1]} != {what} {self.feature_dim}: "
                              "the interaction needs equal widths")
         if int(top_mlp[-1]) != 1:
             raise ValueError(f"top_mlp must end in 1 output (the click logit), got {top_mlp[-1]}")
 
+    def _check_options(self):
+        """The reference's options: names, and the combinations this model can train."""
+        for name, v, allowed in (("activation", self.activation, ACTIVATIONS), ("loss", self.loss, LOSSES),
+                                 ("weighted_pooling", self.weighted_pooling, POOLINGS)):
+            if v not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {v!r}")
+        if not 0.0 <= self.loss_threshold < 1.0:
+            raise ValueError(f"loss_threshold must be in [0, 1), got {self.loss_threshold}")
+        if (self.loss == "wbce") != (self.loss_weights is not None):
+            raise ValueError("loss_weights (w0, w1) go with loss='wbce', and only with it")
+        if self.qr is not None and not isinstance(self.qr, QR):
+            raise TypeError(f"qr must be a jitkern.dlrm.tables.QR or None, got {type(self.qr).__name__}")
+        if self.md_dims is not None:
+            if len(self.md_dims) != len(self.embedding_sizes):
+                raise ValueError(f"md_dims needs one entry per table ({len(self.embedding_sizes)}), got {len(self.md_dims)}")
+            bad = [d for d in self.md_dims if d is not None and not 1 <= int(d) <= self.embedding_dim]
+            if bad:
+                raise ValueError(f"md_dims widths must be in [1, embedding_dim={self.embedding_dim}], got {bad[0]}")
+        if self.qr is not None and self.qr.operation == "concat" and not all(map(self.qr.applies, self.embedding_sizes)):
+            raise ValueError(f"qr concat doubles the width of QR tables only: every table needs more than "
+                             f"{self.qr.threshold} rows (the qr threshold)")
+        if self.weighted_pooling is not None and (self.qr is not None or self.md_dims is not None):
+            raise ValueError("weighted_pooling with qr or md tables is not supported (nor by the reference)")
+        plain = self.table_opt.name == "sgd" and self.weighted_pooling is None and self.qr is None and self.md_dims is None
+        if self.embedding_precision != "fp32" and not plain:
+            raise ValueError("bf16 Split-SGD tables take SGD only, without qr, md or weighted pooling")
+        if self.comm is not None and not (plain and self.dense_opt.name == "sgd"):
+            raise NotImplementedError("under MPI the DLRM trains plain tables by SGD; the optimizers, qr, md and "
+                                      "weighted pooling run in one process")
+
+    @property
+    def feature_dim(self) -> int:
+        """The width every table pools to and the bottom MLP ends in (2 D for qr concat)."""
+        return 2 * self.embedding_dim if self.qr is not None and self.qr.operation == "concat" else self.embedding_dim
+
     def _init_parameters(self, rs: np.random.RandomState):
-        # Reference order and distributions: tables, then bottom, then top MLP.
-        self.emb = [self._init_table(rs, r) for r in self.embedding_sizes]
+        # Reference order and distributions: tables, then bottom, then top MLP. Its QR tables and MD
+        # projections draw from torch's stream (emulated), which every table's module consumes from.
+        gen = TorchGenerator(int(self.seed)) if (self.qr is not None or self.md_dims is not None) else None
+        self.emb = [self._new_table(t, rs, gen) for t in range(self.num_tables)]
         self.bot_w, self.bot_b = self._init_mlp(rs, self.bottom_mlp)
         self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
+        learned = self.weighted_pooling == "learned"
+        self.pool_w = [np.ones(r, np.float32) for r in self.embedding_sizes] if learned else None
 
-    def _init_table(self, rs, rows):
-        w = empty_table(rows, self.embedding_dim)  # huge pages where offered: random rows miss the TLB less
+    def _new_table(self, t, rs, gen):
+        """Table t as the reference builds it: plain, quotient-remainder or mixed-dimension."""
+        rows, D = self.embedding_sizes[t], self.embedding_dim
+        if self.qr is not None and self.qr.applies(rows):
+            low = np.sqrt(1.0 / rows)                   # uniform_(sqrt(1/R), 1): the reference's init
+            wq, wr = (gen.uniform(shape, low, 1.0) for shape in QRTable.shapes(rows, D, self.qr))
+            return QRTable(rows, D, self.qr, wq, wr)
+        d = None if self.md_dims is None else self.md_dims[t]
+        if d is None:
+            if gen is not None:
+                gen.skip_normal((rows, D))              # nn.EmbeddingBag's own init
+            return self._init_table(rs, rows)
+        gen.skip_normal((rows, d))                      # PrEmbeddingBag: its bag's init, then xavier,
+        gen.skip_uniform((rows, d))                     # both overwritten by the NumPy init below
+        w = self._init_table(rs, rows, int(d))
+        if d == D:
+            return w
+        gen.skip_uniform((D, d))                        # nn.Linear's kaiming init, then xavier
+        return MDTable(w, gen.xavier_uniform((D, int(d))))
+
+    def _init_table(self, rs, rows, width=None):
+        width = self.embedding_dim if width is None else width
+        w = empty_table(rows, width)  # huge pages where offered: random rows miss the TLB less
         bound = np.sqrt(1.0 / rows)
         for r0 in range(0, rows, _INIT_CHUNK):
             r1 = min(rows, r0 + _INIT_CHUNK)
-            w[r0:r1] = rs.uniform(low=-bound, high=bound, size=(r1 - r0, self.embedding_dim))
+            w[r0:r1] = rs.uniform(low=-bound, high=bound, size=(r1 - r0, width))
         if self.embedding_precision == "bf16":
             return ops.SplitBF16Table.from_float32(w)
         return w
+
+    def _init_optimizer_state(self):
+        """Zero optimizer state for every parameter this process holds (SGD keeps none)."""
+        self.opt_state = {}
+        for name, p in self.mlp_state_dict().items():
+            self._add_state(name, self.dense_opt.state(p.shape))
+        for t, w in enumerate(self.emb):
+            if isinstance(w, np.ndarray):
+                self._add_state(f"emb.{t}.weight", self.table_opt.state(*w.shape))
+            elif isinstance(w, QRTable):
+                w.init_state(self.table_opt)
+            elif isinstance(w, MDTable):
+                w.init_state(self.table_opt, self.dense_opt)
+        for t, v in enumerate(self.pool_w or ()):
+            self._add_state(f"emb.{t}.pool_weight", self.dense_opt.state(v.shape))
+
+    def _add_state(self, name, state):
+        if state is not None:
+            self.opt_state[name] = state
 
     @staticmethod
     def _init_mlp(rs, sizes):
@@ -195,11 +235,6 @@ class DLRM:
     def num_dense(self) -> int:
         return self.bottom_mlp[0]
 
-    def parameter_bytes(self) -> int:
-        """Bytes of the parameters this process holds (a bf16 split table counts both halves)."""
-        dense = sum(a.nbytes for a in self.bot_w + self.bot_b + self.top_w + self.top_b)
-        return dense + sum(_table_nbytes(w) for w in self.emb if w is not None)
-
     def workload(self, batch: int, threads=(1,), *, pooling: int = 1) -> Workload:
         """The kernels' shapes in one training step at `batch` with `pooling` lookups per table
         and sample: what the tuner tunes for."""
@@ -211,82 +246,6 @@ class DLRM:
     def table_itemsize(self) -> int:
         """Bytes per table element that lookups read (a bf16 split table's high halves: 2)."""
         return 2 if self.embedding_precision == "bf16" else 4
-
-    def mlp_state_dict(self) -> dict:
-        """name -> live array of every MLP weight and bias."""
-        sd = {}
-        for prefix, ws, bs in (("bot", self.bot_w, self.bot_b), ("top", self.top_w, self.top_b)):
-            for l, (w, b) in enumerate(zip(ws, bs)):
-                sd[f"{prefix}.{l}.weight"] = w
-                sd[f"{prefix}.{l}.bias"] = b
-        return sd
-
-    def state_dict(self) -> dict:
-        """name -> array; fp32 tables and all MLP arrays are the live parameters (no copies)."""
-        sd = {f"emb.{t}.weight": w if isinstance(w, np.ndarray) else w.to_float32() for t, w in enumerate(self.emb)}
-        sd.update(self.mlp_state_dict())
-        return sd
-
-    def table_regions(self) -> dict:
-        """table -> (r0, r1, c0, c1): the rows and columns of it this process holds (all, here)."""
-        return {t: (0, r, 0, self.embedding_dim) for t, r in enumerate(self.embedding_sizes)}
-
-    def saves_region(self, t: int) -> bool:
-        """Whether this process writes its region of table t to a sharded checkpoint."""
-        return True
-
-    def read_region(self, t: int) -> np.ndarray:
-        """Table t's region as fp32 (the live table where it is fp32)."""
-        w = self.emb[t]
-        return w if isinstance(w, np.ndarray) else w.to_float32()
-
-    def write_region(self, t: int, block) -> None:
-        """Set table t's region from an fp32 block of its shape."""
-        if isinstance(self.emb[t], np.ndarray):
-            np.copyto(self.emb[t], block)
-        else:
-            self.emb[t] = ops.SplitBF16Table.from_float32(np.ascontiguousarray(block, np.float32))
-
-    def state_shapes(self) -> dict:
-        """name -> shape of every parameter (what load_state_dict expects), without building copies."""
-        shapes = {f"emb.{t}.weight": (r, self.embedding_dim) for t, r in enumerate(self.embedding_sizes)}
-        for prefix, sizes in (("bot", self.bottom_mlp), ("top", self.top_mlp)):
-            for l, (n, m) in enumerate(zip(sizes[:-1], sizes[1:])):
-                shapes[f"{prefix}.{l}.weight"] = (m, n)
-                shapes[f"{prefix}.{l}.bias"] = (m,)
-        return shapes
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Copy every parameter from `sd` (the full model) after checking names, dtypes and shapes,
-        all before any copy; tables this process does not hold are skipped."""
-        shapes = self.state_shapes()
-        missing = sorted(set(shapes) - set(sd))
-        extra = sorted(set(sd) - set(shapes))
-        if missing or extra:
-            raise KeyError(f"state_dict does not match this model: missing {missing[:5]}, unexpected {extra[:5]}")
-        for name, shape in shapes.items():
-            a = sd[name]
-            if not isinstance(a, np.ndarray) or a.dtype != np.float32:
-                raise TypeError(f"state_dict[{name!r}] must be a float32 ndarray, got "
-                                f"{getattr(a, 'dtype', type(a).__name__)}")
-            if a.shape != shape:
-                raise ValueError(f"state_dict[{name!r}] has shape {a.shape}, expected {shape}")
-        self.load_local(sd)
-
-    def load_local(self, sd: dict) -> None:
-        """Copy the given, already checked arrays into the parameters; tables this process does not
-        hold are ignored (a sharded checkpoint gives each rank only its own)."""
-        for name, a in sd.items():
-            kind, idx, what = name.split(".")
-            if kind == "emb":
-                t = int(idx)
-                if isinstance(self.emb[t], np.ndarray):
-                    np.copyto(self.emb[t], a)
-                elif self.emb[t] is not None:
-                    self.emb[t] = ops.SplitBF16Table.from_float32(a)
-            else:
-                ws, bs = (self.bot_w, self.bot_b) if kind == "bot" else (self.top_w, self.top_b)
-                np.copyto((ws if what == "weight" else bs)[int(idx)], a)
 
     # ------------------------------------------------------------------ input checks
 
@@ -336,12 +295,12 @@ class DLRM:
 
     # ------------------------------------------------------------------ stages (forward)
 
-    def _buffers_for(self, b: int) -> _Buffers:
+    def _buffers_for(self, b: int) -> Buffers:
         buf = self._buffers.get(b)
         if buf is None:
             if len(self._buffers) >= 2:        # train + eval sizes; drop the oldest otherwise
                 self._buffers.pop(next(iter(self._buffers)))
-            buf = self._buffers[b] = _Buffers(self, b)
+            buf = self._buffers[b] = Buffers(self, b)
         return buf
 
     def step_context(self, dense, offsets, indices, labels=None, lr=None) -> StepContext:
@@ -351,20 +310,41 @@ class DLRM:
     def embedding_forward_start(self, ctx: StepContext) -> None:
         """Embedding work that can run ahead of the bottom MLP and overlap it (one process: none)."""
 
+    def _layer_forward(self, h, w, b, out, act):
+        """One linear layer with activation act ("relu", "sigmoid" or None) into out."""
+        y = ops.linear_forward(h, w, b, activation="relu" if act == "relu" else None, out=out)
+        return ops.sigmoid_forward(y, out=y) if act == "sigmoid" else y
+
+    def _layer_backward(self, dy, x, w, y, act, need_dx=True):
+        """(dx, dw, db) of _layer_forward; y: its output."""
+        if act == "sigmoid":
+            dy = ops.sigmoid_backward(dy, y)
+        return ops.linear_backward(dy, x, w, y, activation="relu" if act == "relu" else None, need_dx=need_dx)
+
     def bottom_forward(self, ctx: StepContext):
-        """x = bottom MLP(dense); dense: (b, n_dense) -> x: (b, D), ReLU after every layer."""
+        """x = bottom MLP(dense); dense: (b, n_dense) -> x: (b, D), the activation after every layer."""
         with self.timer("bottom_fwd"):
             h = ctx.dense
             for w, b, out in zip(self.bot_w, self.bot_b, ctx.buf.bot):
-                h = ops.linear_forward(h, w, b, activation="relu", out=out)
+                h = self._layer_forward(h, w, b, out, self.activation)
                 self.layer_done(ctx, "bottom", None)
             return h
 
     def embedding_forward(self, ctx: StepContext) -> list:
         """ly[t] = sum-pooled rows of table t for this process's rows; -> ly: T arrays (b, D)."""
         with self.timer("embedding_fwd"):
+            if self.pool_w is not None:
+                ctx.psw = [v[idx] for v, idx in zip(self.pool_w, ctx.indices)]
             for t, w in enumerate(self.emb):
-                ops.embedding_bag_forward(w, ctx.indices[t], ctx.offsets[t], out=ctx.buf.ly[t])
+                psw = None if ctx.psw is None else ctx.psw[t]
+                if isinstance(w, (QRTable, MDTable)):
+                    w.forward(ctx.indices[t], ctx.offsets[t], ctx.buf.ly[t])
+                elif isinstance(w, ops.QuantizedTable):
+                    ops.embedding_bag_quantized_forward(w, ctx.indices[t], ctx.offsets[t], per_sample_weights=psw,
+                                                        out=ctx.buf.ly[t])
+                else:
+                    ops.embedding_bag_forward(w, ctx.indices[t], ctx.offsets[t], per_sample_weights=psw,
+                                              out=ctx.buf.ly[t])
             return ctx.buf.ly
 
     def interaction_forward(self, ctx: StepContext, x, ly):
@@ -375,26 +355,38 @@ class DLRM:
             return ops.interaction_cat_forward(x, ly)
 
     def top_forward(self, ctx: StepContext, z):
-        """logits: (b,) from z; ReLU on hidden layers, none on the last (the loss applies sigmoid)."""
+        """logits: (b,) from z; the activation on hidden layers, none on the last (the loss applies sigmoid)."""
         with self.timer("top_fwd"):
             h = z
             last = len(self.top_w) - 1
             for l, (w, b, out) in enumerate(zip(self.top_w, self.top_b, ctx.buf.top)):
-                h = ops.linear_forward(h, w, b, activation=None if l == last else "relu", out=out)
+                h = self._layer_forward(h, w, b, out, None if l == last else self.activation)
             return h.reshape(-1)
 
+    @property
+    def _plain_bce(self) -> bool:
+        return self.loss == "bce" and self.loss_threshold == 0.0
+
+    def _loss_kwargs(self) -> dict:
+        return dict(loss=self.loss, class_weights=self.loss_weights, threshold=self.loss_threshold)
+
     def loss_forward(self, ctx: StepContext, logits):
-        """(batch-mean BCE loss of this process's rows, probs (b,)) from logits; inference: probs only."""
+        """(batch-mean loss of this process's rows, probs (b,)) from logits; inference: probs only."""
         labels = ctx.buf.zero_labels if ctx.labels is None else ctx.labels
+        ctx.logits = logits
         with self.timer("loss"):
-            return ops.sigmoid_bce_forward(logits, labels)
+            if self._plain_bce:
+                return ops.sigmoid_bce_forward(logits, labels)
+            return ops.sigmoid_loss_forward(logits, labels, **self._loss_kwargs())
 
     # ------------------------------------------------------------------ stages (backward, update)
 
     def loss_backward(self, ctx: StepContext, probs):
         """dloss/dlogits: (b,)."""
         with self.timer("loss"):
-            return ops.sigmoid_bce_backward(probs, ctx.labels)
+            if self._plain_bce:
+                return ops.sigmoid_bce_backward(probs, ctx.labels)
+            return ops.sigmoid_loss_backward(ctx.logits, ctx.labels, **self._loss_kwargs())
 
     def top_backward(self, ctx: StepContext, dlogits, z):
         """Top MLP backward; -> (dz, [(dw, db) per layer])."""
@@ -404,8 +396,8 @@ class DLRM:
             last = len(self.top_w) - 1
             for l in range(last, -1, -1):
                 x = z if l == 0 else ctx.buf.top[l - 1]
-                act = None if l == last else "relu"
-                dy, dw, db = ops.linear_backward(dy, x, self.top_w[l], ctx.buf.top[l], activation=act)
+                act = None if l == last else self.activation
+                dy, dw, db = self._layer_backward(dy, x, self.top_w[l], ctx.buf.top[l], act)
                 grads[l] = (dw, db)
                 self.layer_done(ctx, "top", (l, dw, db))
             return dy, grads
@@ -428,8 +420,8 @@ class DLRM:
             grads = [None] * len(self.bot_w)
             for l in range(len(self.bot_w) - 1, -1, -1):
                 x = ctx.dense if l == 0 else ctx.buf.bot[l - 1]
-                dy, dw, db = ops.linear_backward(dy, x, self.bot_w[l], ctx.buf.bot[l], activation="relu",
-                                                 need_dx=l > 0)
+                dy, dw, db = self._layer_backward(dy, x, self.bot_w[l], ctx.buf.bot[l], self.activation,
+                                                  need_dx=l > 0)
                 grads[l] = (dw, db)
                 self.layer_done(ctx, "bottom", (l, dw, db))
             return grads
@@ -439,18 +431,44 @@ class DLRM:
         backward): where the distributed model progresses and buckets its communication."""
 
     def embedding_update(self, ctx: StepContext, dly) -> None:
-        """Fused sparse backward + SGD per table: each lookup's gradient applied to its row in place."""
+        """Fused sparse backward + update per table (the table optimizer's); learned pooling
+        weights take their gradient first, from the tables before their update."""
         with self.timer("embedding_upd"):
+            if self.pool_w is not None:
+                self._pool_weight_update(ctx, dly)
             for t, w in enumerate(self.emb):
-                ops.embedding_bag_sgd_(w, ctx.indices[t], ctx.offsets[t], dly[:, t], ctx.lr)
+                if isinstance(w, (QRTable, MDTable)):
+                    w.update(ctx.indices[t], ctx.offsets[t], dly[:, t], ctx.lr, self.table_opt, self.dense_opt)
+                    continue
+                psw = None if ctx.psw is None else ctx.psw[t]
+                self.table_opt.update(w, self.opt_state.get(f"emb.{t}.weight"), ctx.indices[t], ctx.offsets[t],
+                                      dly[:, t], ctx.lr, per_sample_weights=psw)
+
+    def _pool_weight_update(self, ctx: StepContext, dly) -> None:
+        """Learned pooling: each lookup's weight gradient (dot of its bag's gradient and its row),
+        summed per row in lookup order, through the dense optimizer on the rows it touches."""
+        for t, (v, w) in enumerate(zip(self.pool_w, self.emb)):
+            idx = ctx.indices[t]
+            dpsw = ops.embedding_bag_per_sample_weights_backward(w, idx, ctx.offsets[t], dly[:, t])
+            rows, inverse = np.unique(idx, return_inverse=True)
+            grad = np.zeros(len(rows), np.float32)
+            np.add.at(grad, inverse, dpsw)
+            vr = v[rows]
+            state = self.opt_state.get(f"emb.{t}.pool_weight")
+            sr = None if state is None else state[rows]
+            self.dense_opt.step(vr, sr, grad, ctx.lr)
+            v[rows] = vr
+            if state is not None:
+                state[rows] = sr
 
     def dense_update(self, ctx: StepContext, bot_grads, top_grads) -> None:
-        """Plain SGD on every MLP weight and bias."""
+        """The dense optimizer on every MLP weight and bias."""
         with self.timer("dense_upd"):
-            for ws, bs, grads in ((self.bot_w, self.bot_b, bot_grads), (self.top_w, self.top_b, top_grads)):
-                for w, b, (dw, db) in zip(ws, bs, grads):
-                    ops.sgd_(w, dw, ctx.lr)
-                    ops.sgd_(b, db, ctx.lr)
+            for prefix, ws, bs, grads in (("bot", self.bot_w, self.bot_b, bot_grads),
+                                          ("top", self.top_w, self.top_b, top_grads)):
+                for l, (w, b, (dw, db)) in enumerate(zip(ws, bs, grads)):
+                    self.dense_opt.step(w, self.opt_state.get(f"{prefix}.{l}.weight"), dw, ctx.lr)
+                    self.dense_opt.step(b, self.opt_state.get(f"{prefix}.{l}.bias"), db, ctx.lr)
 
     def step_loss(self, ctx: StepContext, loss) -> float:
         """The batch-mean loss train_step returns."""
@@ -489,8 +507,17 @@ class DLRM:
                              f"got {lr}")
         return lr
 
+    def batch_loss(self, dense, offsets, indices, labels, *, check=True) -> float:
+        """The batch-mean loss of one batch (forward only; parameters untouched)."""
+        if check:
+            self.check_batch(dense, offsets, indices, labels)
+        ctx = self.step_context(dense, offsets, indices, labels)
+        *_, logits = self._forward_stages(ctx)
+        return self.step_loss(ctx, self.loss_forward(ctx, logits)[0])
+
     def train_step(self, dense, offsets, indices, labels, lr, *, check=True) -> float:
-        """Forward, backward and SGD update of every parameter; returns the batch-mean BCE loss."""
+        """Forward, backward and update of every parameter by the model's optimizers; returns the
+        batch-mean loss."""
         lr = self._check_step(dense, offsets, indices, labels, lr, check)
         ctx = self.step_context(dense, offsets, indices, labels, lr)
         x, ly, z, logits = self._forward_stages(ctx)
@@ -504,13 +531,13 @@ class DLRM:
         self.dense_update(ctx, bot_grads, top_grads)
         return self.step_loss(ctx, loss)
 
+    def arch_extras(self) -> dict:
+        """What shapes the arrays beyond arch_dict's, for checkpoints: only what differs from plain SGD tables."""
+        return arch_extras(optimizer=describe(self.dense_opt, self.table_opt), weighted_pooling=self.weighted_pooling,
+                           qr=self.qr, md_dims=self.md_dims)
+
     def __repr__(self):
+        extra = "".join(f", {k}={v!r}" for k, v in self.arch_extras().items())
         return (f"DLRM(tables={self.num_tables}, D={self.embedding_dim}, bottom={self.bottom_mlp}, "
                 f"top={self.top_mlp}, interaction={self.interaction!r}, self_interaction={self.self_interaction}, "
-                f"precision={self.embedding_precision!r})")
-
-
-def _table_nbytes(w) -> int:
-    if isinstance(w, np.ndarray):
-        return w.nbytes
-    return w.hi.nbytes + w.lo.nbytes
+                f"precision={self.embedding_precision!r}{extra})")

@@ -149,6 +149,6 @@ def check_load_source(path, arch: dict, flag: str = "--load-model") -> None:
         raise PreflightError(f"{flag}: {e}") from None
     if header.get("arch") != arch:
         theirs = header.get("arch") if isinstance(header.get("arch"), dict) else {}
-        diff = [k for k in arch if theirs.get(k) != arch[k]]
+        diff = [k for k in {**theirs, **arch} if theirs.get(k) != arch.get(k)]
         raise PreflightError(f"{flag} {path}: checkpoint is for another architecture (differs in "
                              f"{', '.join(diff) or 'its keys'})")

@@ -6,6 +6,8 @@ what an uninterrupted run would have seen).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .batch import Batch
@@ -63,13 +65,45 @@ def random_sparse(rs: np.random.RandomState, rows: int, n: int, k: int, fixed: b
     return _offsets_from_sizes(sizes), indices
 
 
-def random_batch(rs, embedding_sizes, num_dense, n, k, fixed, round_targets=False) -> Batch:
-    """The reference's generate_random_input_batch + generate_random_output_batch, from rs."""
+@dataclass(frozen=True)
+class Gaussian:
+    """The reference's --rand-data-dist gaussian: ids drawn from N(mu, sigma), clipped to [low, high],
+    deduplicated as floats, then truncated to ints (so a bag may repeat an id); mu -1: the middle."""
+    low: float = 0.0
+    high: float = 1.0
+    mu: float = -1.0
+    sigma: float = 1.0
+
+    @property
+    def mean(self) -> float:
+        return (self.high + self.low) / 2.0 if self.mu == -1 else self.mu
+
+    def bag(self, rs, size: int) -> np.ndarray:
+        return np.unique(np.clip(rs.normal(self.mean, self.sigma, size), self.low, self.high)).astype(np.int64)
+
+
+def gaussian_sparse(rs, rows: int, n: int, k: int, fixed: bool, dist: Gaussian):
+    """One table's lookups as the reference draws gaussian ids: (offsets (n,), indices) int64. A
+    bag's size draw and its normals interleave on the stream, so this goes sample by sample."""
+    bags = []
+    for _ in range(n):
+        size = k if fixed else int(np.round(max(1.0, rs.random_sample(1)[0] * min(rows, k))))
+        bags.append(dist.bag(rs, size))
+    sizes = np.array([len(b) for b in bags], np.int64)
+    return _offsets_from_sizes(sizes), np.concatenate(bags) if bags else np.zeros(0, np.int64)
+
+
+def random_batch(rs, embedding_sizes, num_dense, n, k, fixed, round_targets=False, dist=None) -> Batch:
+    """The reference's generate_random_input_batch + generate_random_output_batch, from rs
+    (dist: None for uniform ids, or Gaussian)."""
     dense = rs.rand(n, num_dense).astype(np.float32)
     offsets = np.empty((len(embedding_sizes), n), np.int64)
     indices = []
     for t, rows in enumerate(embedding_sizes):
-        offsets[t], idx = random_sparse(rs, rows, n, k, fixed)
+        if dist is None:
+            offsets[t], idx = random_sparse(rs, rows, n, k, fixed)
+        else:
+            offsets[t], idx = gaussian_sparse(rs, rows, n, k, fixed, dist)
         indices.append(idx)
     labels = rs.rand(n, 1).astype(np.float32)
     if round_targets:
@@ -81,7 +115,8 @@ class RandomData:
     """The reference's `random` data: one NumPy stream, reseeded at the start of every epoch."""
 
     def __init__(self, embedding_sizes, num_dense, batch_size, num_batches, *, num_indices_per_lookup=10,
-                 fixed=False, seed=123, round_targets=False, data_size=None):
+                 fixed=False, seed=123, round_targets=False, data_size=None, dist=None):
+        self.dist = dist
         self.embedding_sizes = list(embedding_sizes)
         self.num_dense = num_dense
         self.batch_size = batch_size
@@ -97,7 +132,8 @@ class RandomData:
         rs = np.random.RandomState(self.seed)
         for i in range(self.num_batches):
             n = min(self.batch_size, self.data_size - i * self.batch_size)
-            b = random_batch(rs, self.embedding_sizes, self.num_dense, n, self.k, self.fixed, self.round_targets)
+            b = random_batch(rs, self.embedding_sizes, self.num_dense, n, self.k, self.fixed, self.round_targets,
+                             self.dist)
             if i >= start:                      # earlier batches are drawn only to advance the stream
                 yield b
 

@@ -95,16 +95,18 @@ class CheckpointError(ValueError):
     """A file that is not a complete jitkern DLRM checkpoint, or one for another architecture."""
 
 
-def arch_dict(embedding_sizes, embedding_dim, bottom_mlp, top_mlp, interaction="dot", self_interaction=False) -> dict:
-    """The architecture a checkpoint records (top_mlp without its derived input width)."""
+def arch_dict(embedding_sizes, embedding_dim, bottom_mlp, top_mlp, interaction="dot", self_interaction=False,
+              **extras) -> dict:
+    """The architecture a checkpoint records (top_mlp without its derived input width); extras:
+    model.arch_extras() (the optimizer and table tricks, where not plain SGD tables)."""
     return {"embedding_sizes": [int(r) for r in embedding_sizes], "embedding_dim": int(embedding_dim),
             "bottom_mlp": [int(n) for n in bottom_mlp], "top_mlp": [int(n) for n in top_mlp],
-            "interaction": interaction, "self_interaction": bool(self_interaction)}
+            "interaction": interaction, "self_interaction": bool(self_interaction), **extras}
 
 
 def model_arch(model: DLRM) -> dict:
     return arch_dict(model.embedding_sizes, model.embedding_dim, model.bottom_mlp, model.top_mlp[1:],
-                     model.interaction, model.self_interaction)
+                     model.interaction, model.self_interaction, **model.arch_extras())
 
 
 def save_checkpoint(path: str, model: DLRM, meta: dict) -> None:
@@ -112,7 +114,7 @@ def save_checkpoint(path: str, model: DLRM, meta: dict) -> None:
     if getattr(model, "comm", None) is not None:     # hybrid parallel: a directory, each rank its tables
         from .dist_checkpoint import save_checkpoint as save_sharded
         return save_sharded(path, model, meta, model_arch(model))
-    sd = model.state_dict()
+    sd = model.checkpoint_arrays()
     entries, offset = [], 0
     for name, a in sd.items():
         entries.append({"name": name, "dtype": str(a.dtype), "shape": list(a.shape), "offset": offset,
@@ -207,9 +209,9 @@ def load_checkpoint(path: str, model: DLRM) -> dict:
     header = read_checkpoint_header(path)
     arch = model_arch(model)
     if header["arch"] != arch:
-        diff = [k for k in arch if header["arch"].get(k) != arch[k]]
+        diff = [k for k in {**header["arch"], **arch} if header["arch"].get(k) != arch.get(k)]
         raise CheckpointError(f"{path}: checkpoint is for another architecture (differs in {', '.join(diff)})")
-    shapes = model.state_shapes()
+    shapes = model.checkpoint_shapes()
     entries = {e["name"]: e for e in header["arrays"]}
     if set(entries) != set(shapes):
         raise CheckpointError(f"{path}: checkpoint arrays do not match the model's parameters")
@@ -226,7 +228,7 @@ def load_checkpoint(path: str, model: DLRM) -> dict:
                 left = left - len(chunk) if chunk else 0    # a short file ends the loop; the checksum differs
             if crc != e["crc32"]:
                 raise CheckpointError(f"{path}: checksum mismatch in {name} (corrupt checkpoint)")
-        sd = model.state_dict()                      # live arrays: read straight into the parameters
+        sd = model.checkpoint_arrays()               # live arrays: read straight into the parameters
         for name, e in entries.items():
             f.seek(16 + e["offset"])
             f.readinto(memoryview(sd[name]).cast("B"))
@@ -250,7 +252,11 @@ class TrainOptions:
     test_freq: int = -1
     save_model: str = ""
     mlperf_auc_threshold: float = 0.0
+    mlperf_acc_threshold: float = 0.0   # stop once test accuracy exceeds it (0: off)
     progress: bool | None = None      # None: a tqdm bar when stderr is a terminal
+    print_wall_time: bool = False     # loss lines end in " (HH:MM)"
+    grad_accum: int = 1               # --mlperf-grad-accum-iter: the reference's: only every N-th batch updates
+    hooks: tuple = ()                 # objects told of losses, evaluations and epochs (runlog.py)
 
 
 @dataclass
@@ -263,6 +269,7 @@ class TrainState:
     losses: list = field(default_factory=list)     # [step, mean loss since last print]
     evals: list = field(default_factory=list)      # {"step":, "loss":, "auc":, "accuracy":, "samples":}
     pending_losses: list = field(default_factory=list)   # losses of the steps since the last print
+    pending_samples: list = field(default_factory=list)  # and their batch sizes
 
 
 def _json_safe(obj):
@@ -331,8 +338,13 @@ class Trainer:
     def total_steps(self) -> int:
         return self.opts.nepochs * len(self.train_data)
 
+    def _hook(self, name, *args) -> None:
+        for h in self.opts.hooks:
+            getattr(h, name)(*args)
+
     def evaluate(self) -> dict:
         t0 = time.perf_counter()
+        self._hook("eval_start", self.state)
         m = evaluate(self.model, self.test_data.batches(0))
         m["step"] = self.state.step
         if self.timer is not None:
@@ -340,6 +352,7 @@ class Trainer:
         self.state.evals.append(m)
         self.log(f"Testing at it {self.state.step}/{self.total_steps()}: loss {m['loss']:.6f}, "
                  f"accuracy {100 * m['accuracy']:.3f} %, auc {m['auc']:.4f} ({m['samples']} samples)")
+        self._hook("evaluated", self.state, m)
         return m
 
     def save(self) -> None:
@@ -383,9 +396,11 @@ class Trainer:
         request; -> the signal that stopped training (0: none did)."""
         st = self.state
         while st.epoch < self.opts.nepochs:
+            self._hook("epoch_start", st)
             stop = self._run_epoch(bar, pending, vote)
             if stop is not None:
                 return stop
+            self._hook("epoch_end", st)
             st.epoch, st.batch = st.epoch + 1, 0
         return 0
 
@@ -410,41 +425,63 @@ class Trainer:
                 return signum
 
     def _step(self, batch) -> None:
-        """One train_step at the scheduled rate; errors name the batch and epoch."""
+        """One train_step at the scheduled rate; errors name the batch and epoch. With grad_accum N
+        (--mlperf-grad-accum-iter), as the reference: it zeroes the gradients right before the
+        N-th batch's backward, so only every N-th batch updates (with its own gradient) and the
+        others are forward only."""
         st = self.state
         t1 = time.perf_counter()
+        update = (st.batch + 1) % self.opts.grad_accum == 0
         try:
-            loss = self.model.train_step(batch.dense, batch.offsets, batch.indices, batch.labels,
-                                         self.schedule(st.step))
+            if update:
+                loss = self.model.train_step(batch.dense, batch.offsets, batch.indices, batch.labels,
+                                             self.schedule(st.step))
+            else:
+                loss = self.model.batch_loss(batch.dense, batch.offsets, batch.indices, batch.labels)
         except (ValueError, IndexError, TypeError) as e:
             raise type(e)(f"batch {st.batch} of epoch {st.epoch}: {e}") from None
         st.train_seconds += time.perf_counter() - t1
-        st.step, st.batch, st.samples = st.step + 1, st.batch + 1, st.samples + batch.size
+        st.step, st.batch, st.samples = st.step + update, st.batch + 1, st.samples + batch.size
         st.pending_losses.append(loss)
+        st.pending_samples.append(batch.size)
 
     def _after_step(self) -> bool:
         """Report, evaluate and save as the options ask; True when the AUC threshold is reached."""
         st, opts = self.state, self.opts
-        last = st.batch == len(self.train_data) and st.epoch == opts.nepochs - 1
-        if (opts.print_freq > 0 and st.step % opts.print_freq == 0) or last:
-            self._since = self._report(st.pending_losses, self._since)
-            st.pending_losses = []
+        end_of_epoch = st.batch == len(self.train_data)
+        last = end_of_epoch and st.epoch == opts.nepochs - 1
+        # as the reference: every print_freq batches of an epoch, and at its end
+        if (opts.print_freq > 0 and st.batch % opts.print_freq == 0) or end_of_epoch:
+            self._since = self._report(self._since)
         if (opts.test_freq > 0 and st.step % opts.test_freq == 0) and not last:
             m = self.evaluate()
             self.save()
-            if opts.mlperf_auc_threshold > 0 and m["auc"] >= opts.mlperf_auc_threshold:
-                self.log(f"MLPerf AUC threshold {opts.mlperf_auc_threshold} reached; stopping")
-                return True
+            return self._threshold_reached(m)
         return False
 
-    def _report(self, pending, since) -> float:
+    def _threshold_reached(self, m) -> bool:
+        opts = self.opts
+        if opts.mlperf_auc_threshold > 0 and m["auc"] >= opts.mlperf_auc_threshold:
+            self.log(f"MLPerf AUC threshold {opts.mlperf_auc_threshold} reached; stopping")
+            return True
+        if opts.mlperf_acc_threshold > 0 and m["accuracy"] > opts.mlperf_acc_threshold:
+            self.log(f"MLPerf accuracy threshold {opts.mlperf_acc_threshold} reached; stopping")
+            return True
+        return False
+
+    def _report(self, since) -> float:
         st = self.state
         now = time.perf_counter()
-        st.losses.append([st.step, float(np.mean(pending))])
-        msg = f"Finished training it {st.batch}/{len(self.train_data)} of epoch {st.epoch}, loss {np.mean(pending):.6f}"
+        loss = _mean_loss(st.pending_losses, st.pending_samples)
+        st.losses.append([st.step, loss])
+        msg = f"Finished training it {st.batch}/{len(self.train_data)} of epoch {st.epoch}, loss {loss:.6f}"
         if self.opts.print_time:
-            msg += f", {1e3 * (now - since) / len(pending):.2f} ms/it"
+            msg += f", {1e3 * (now - since) / len(st.pending_losses):.2f} ms/it"
+        if self.opts.print_wall_time:
+            msg += time.strftime(" (%H:%M)")
         self.log(msg)
+        self._hook("train_loss", st, loss)
+        st.pending_losses, st.pending_samples = [], []
         return now
 
     def _progress(self):
@@ -456,6 +493,14 @@ class Trainer:
         log = self.log
         self.log = lambda msg: bar.write(msg) if log is print else log(msg)
         return bar
+
+
+def _mean_loss(losses, samples) -> float:
+    """The mean loss per sample since the last print (the reference's): batch losses weighted by
+    their sizes where the sizes differ (a plain mean otherwise, and for older checkpoints)."""
+    if len(samples) == len(losses) and len(set(samples)) > 1:
+        return float(np.dot(losses, samples) / np.sum(samples))
+    return float(np.mean(losses))
 
 
 def state_from_meta(meta: dict) -> TrainState:

@@ -1,13 +1,16 @@
 """Public kernels: checked wrappers over generated code. References live in ops.reference."""
+from .activation import sigmoid_backward, sigmoid_forward
 from .bf16 import BF16Array
 from .embedding import (
     SplitBF16Table,
     embedding_bag_adagrad_,
     embedding_bag_backward,
     embedding_bag_forward,
+    embedding_bag_per_sample_weights_backward,
     embedding_bag_sgd_,
     empty_table,
 )
+from .embedding.quantized import QuantizedTable, embedding_bag_quantized_forward, quantize_rowwise
 from .gemm import batch_reduce_gemm, gemm, linear_backward, linear_forward
 from .interaction import (
     interaction_cat_backward,
@@ -15,14 +18,15 @@ from .interaction import (
     interaction_dot_backward,
     interaction_dot_forward,
 )
-from .loss import sigmoid_bce_backward, sigmoid_bce_forward
+from .loss import sigmoid_bce_backward, sigmoid_bce_forward, sigmoid_loss_backward, sigmoid_loss_forward
 from .optim import sgd_
-from .embedding.quantized import QuantizedTable, embedding_bag_quantized_forward, quantize_rowwise
 
 __all__ = [
     "BF16Array", "batch_reduce_gemm", "embedding_bag_adagrad_", "embedding_bag_backward", "embedding_bag_forward",
+    "embedding_bag_per_sample_weights_backward",
     "embedding_bag_sgd_", "empty_table", "gemm", "interaction_cat_backward", "interaction_cat_forward",
     "interaction_dot_backward", "interaction_dot_forward", "linear_backward", "linear_forward",
-    "SplitBF16Table", "sgd_", "sigmoid_bce_backward", "sigmoid_bce_forward",
+    "SplitBF16Table", "sgd_", "sigmoid_backward", "sigmoid_bce_backward", "sigmoid_bce_forward",
+    "sigmoid_forward", "sigmoid_loss_backward", "sigmoid_loss_forward",
     "QuantizedTable", "embedding_bag_quantized_forward", "quantize_rowwise",
 ]

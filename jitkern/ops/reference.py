@@ -159,6 +159,17 @@ def embedding_bag_backward(indices, offsets, dout, num_rows, *, mode="sum", per_
     return rows.astype(np.int64), drows.astype(np.float32)
 
 
+def embedding_bag_per_sample_weights_backward(weight, indices, offsets, dout, *, mode="sum",
+                                              include_last_offset=False):
+    """dloss/dpsw (nnz,): dot(dout[bag of j], weight[indices[j]]), over the bag size for mean."""
+    idx = np.asarray(indices, np.int64)
+    starts, ends = _bag_bounds(offsets, len(idx), include_last_offset)
+    scale = _bag_scale(starts, ends, len(idx), mode, None)
+    bag_of = np.repeat(np.arange(len(starts)), ends - starts)
+    dots = (np.asarray(dout, np.float64)[bag_of] * np.asarray(weight, np.float64)[idx]).sum(axis=1)
+    return (dots * scale).astype(np.float32)
+
+
 def embedding_bag_sgd_(weight, indices, offsets, dout, lr, *, mode="sum", per_sample_weights=None,
                        include_last_offset=False):
     """In place, entry by entry in position order: weight[indices[j]] -= lr * g_j, g_j = scale_j *
@@ -280,6 +291,62 @@ def sigmoid_bce_backward(probs, labels):
     """dloss/dlogits = (probs - labels) / B."""
     p = np.asarray(probs, np.float64)
     return ((p - np.asarray(labels, np.float64)) / max(len(p), 1)).astype(np.float32)
+
+
+def sigmoid_loss_forward(logits, labels, *, loss="bce", class_weights=None, threshold=0.0):
+    """Batch-mean bce | mse | wbce of sigmoid(logits), p clamped to [t, 1 - t] when t > 0;
+    -> (loss float, probs (B,) float32, clamped)."""
+    per, _, pc = _sigmoid_loss(logits, labels, loss, class_weights, threshold)
+    return float(per.mean()) if len(per) else 0.0, pc.astype(np.float32)
+
+
+def sigmoid_loss_backward(logits, labels, *, loss="bce", class_weights=None, threshold=0.0):
+    """dloss/dlogits of the batch mean; 0 where p was clamped."""
+    _, d, _ = _sigmoid_loss(logits, labels, loss, class_weights, threshold)
+    return (d / max(len(d), 1)).astype(np.float32)
+
+
+def _sigmoid_loss(logits, labels, loss, class_weights, threshold):
+    """(per-sample loss, per-sample dloss/dz, clamped probabilities) in float64, from the float32
+    probabilities as torch computes them (bce: from the logits where not clamped)."""
+    z = np.asarray(logits, np.float64)
+    y = np.asarray(labels, np.float64)
+    p = np.where(z >= 0, 1.0 / (1.0 + np.exp(-np.abs(z))), np.exp(-np.abs(z)) / (1.0 + np.exp(-np.abs(z))))
+    with np.errstate(over="ignore"):                  # torch's float32 sigmoid, op by op (bce: rounded p)
+        p32 = (1.0 / (np.float32(1.0) + np.exp(-z).astype(np.float32)).astype(np.float64)).astype(np.float32)
+    if loss == "bce":
+        p32 = p.astype(np.float32)
+    pc, inside = p32, np.ones(len(p), bool)
+    if threshold > 0:
+        lo, hi = np.float32(threshold), np.float32(1.0 - threshold)
+        inside = (p32 >= lo) & (p32 <= hi)
+        pc = np.minimum(np.maximum(p32, lo), hi)
+    dp = p32.astype(np.float64) * (1.0 - p32.astype(np.float64))
+    pc64 = pc.astype(np.float64)
+    if loss == "mse":
+        return (pc64 - y) ** 2, np.where(inside, 2.0 * (pc64 - y) * dp, 0.0), pc
+    with np.errstate(divide="ignore"):
+        torch_bce = -(y * np.maximum(np.log(pc64), -100.0) +
+                      (1.0 - y) * np.maximum(np.log((np.float32(1.0) - pc).astype(np.float64)), -100.0))
+    if loss == "bce":
+        stable = np.maximum(z, 0.0) - z * y + np.log1p(np.exp(-np.abs(z)))
+        return np.where(inside, stable, torch_bce), np.where(inside, p - y, 0.0), pc
+    w = np.ones_like(y) if loss == "bce_prob" else np.asarray(class_weights, np.float64)[(y >= 1.0).astype(int)]
+    grad = w * (pc64 - y) / np.maximum(dp, 1e-12) * dp
+    return w * torch_bce, np.where(inside, grad, 0.0), pc
+
+
+def sigmoid_forward(x, *, out=None):
+    """y = 1 / (1 + exp(-x)), element-wise."""
+    z = np.asarray(x, np.float64)
+    with np.errstate(over="ignore"):
+        return (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+
+
+def sigmoid_backward(dy, y):
+    """dx = dy * y * (1 - y)."""
+    v = np.asarray(y, np.float64)
+    return (np.asarray(dy, np.float64) * v * (1.0 - v)).astype(np.float32)
 
 
 # --------------------------------------------------------------------------- dense optimizers

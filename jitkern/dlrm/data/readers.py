@@ -137,17 +137,18 @@ def _scan_cardinalities(sparse, chunk=1 << 20):
     return [int(t) + 1 for t in top]
 
 
-def load_mlperf_bin(path, split: str = "train") -> CriteoDataset:
+def load_mlperf_bin(path, split: str = "train", counts_file=None) -> CriteoDataset:
     """The reference DLRM's MLPerf binary PREFIX_{train,val,test}.bin (path: any of them or PREFIX; a
-    .bin not named so is read for every split). Cardinalities from PREFIX_fea_count.npz 'counts'
-    when present, else max id + 1 of this file, scanned on first use of ds.cardinalities."""
+    .bin not named so is read for every split). Cardinalities from counts_file (default
+    PREFIX_fea_count.npz) 'counts' when present, else max id + 1 of this file, scanned on first
+    use of ds.cardinalities."""
     _check_split(split)
     f, prefix = _mlperf_paths(path, split)
     recs = open_mlperf_bin(f)
     labels = RowView([recs[:, 0]], _as_float32, np.float32)
     dense = RowView([recs[:, 1:1 + N_DENSE]], _dense_from_raw, np.float32)
     sparse = RowView([recs[:, 1 + N_DENSE:]], _as_int32, np.int32)
-    counts = Path(f"{prefix}_fea_count.npz")
+    counts = Path(counts_file or f"{prefix}_fea_count.npz")
     if counts.is_file():
         with np.load(counts) as z:
             cards = [int(c) for c in z["counts"]]

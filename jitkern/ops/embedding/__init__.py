@@ -7,6 +7,7 @@ updates (SGD, BF16 Split-SGD, row-wise Adagrad), with the tables they run on.
     adagrad.py     embedding_bag_adagrad_
     split_bf16.py  SplitBF16Table
     quantized.py   QuantizedTable, embedding_bag_quantized_forward (8- and 4-bit row-wise tables)
+    psw.py         embedding_bag_per_sample_weights_backward (learned weighted pooling)
     grouping.py    grouping a batch's entries by row: hashed linking, radix sorting
     _rows.py       row helpers shared by the kernels, table memory (empty_table), scratch
     _validate.py   argument and bag checks
@@ -16,8 +17,9 @@ from ._rows import SPECIALISED_D, empty_table
 from .adagrad import embedding_bag_adagrad_
 from .backward import embedding_bag_backward
 from .forward import embedding_bag_forward
+from .psw import embedding_bag_per_sample_weights_backward
 from .sgd import embedding_bag_sgd_
 from .split_bf16 import SplitBF16Table
 
 __all__ = ["SPECIALISED_D", "SplitBF16Table", "embedding_bag_adagrad_", "embedding_bag_backward",
-           "embedding_bag_forward", "embedding_bag_sgd_", "empty_table"]
+           "embedding_bag_forward", "embedding_bag_per_sample_weights_backward", "embedding_bag_sgd_", "empty_table"]

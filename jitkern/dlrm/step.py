@@ -1,0 +1,74 @@
+"""What one DLRM step carries through its stages: the context (StepContext), the activation
+buffers of a batch size (reused step after step), and the per-stage timer of --profile."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class StageTimer:
+    """Accumulated wall time per stage name (the trainer's --profile table); clock: another clock
+    (time.thread_time: this thread's CPU time, what a stage costs on a core of its own)."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.clock = clock
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.add(name, self.clock() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+class NullTimer:
+    @contextmanager
+    def __call__(self, name):
+        yield
+
+
+class Buffers:
+    """Activations of one batch size, reused by every step with that size."""
+
+    def __init__(self, model, b: int):
+        # model: the DLRM (its layer widths and table count)
+        self.size = b
+        self.bot = [np.empty((b, n), np.float32) for n in model.bottom_mlp[1:]]
+        self.top = [np.empty((b, n), np.float32) for n in model.top_mlp[1:]]
+        # pooled embeddings, one contiguous (B, D) block per table written in place via out=,
+        # handed to the interaction as a list of T views (no stacking copy)
+        self.pooled = np.empty((model.num_tables, b, model.feature_dim), np.float32)
+        self.ly = list(self.pooled)
+        self.zero_labels = np.zeros(b, np.float32)
+
+
+@dataclass
+class StepContext:
+    """What one forward or training step passes through its stages.
+
+    dense, labels: the rows this process runs the MLPs on ((b, n_dense), (b,); labels None in
+    inference); offsets, indices: the lookups of the whole batch ((T, B), T arrays); lr: None in
+    inference; buf: the activation buffers for b rows.
+    """
+    dense: np.ndarray
+    offsets: np.ndarray
+    indices: list
+    labels: np.ndarray | None
+    lr: float | None
+    buf: Buffers
+    logits: np.ndarray | None = None      # set by loss_forward (the general losses' backward reads them)
+    psw: list | None = None               # learned pooling: each table's per-lookup weights
