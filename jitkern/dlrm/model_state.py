@@ -82,9 +82,10 @@ class ModelState:
 
     def state_shapes(self) -> dict:
         """name -> shape of every parameter (what load_state_dict expects), without building copies."""
-        shapes = {f"emb.{t}.weight": (r, self.embedding_dim) for t, r in enumerate(self.embedding_sizes)
-                  if not isinstance(self.emb[t], np.ndarray) and not isinstance(self.emb[t], (QRTable, MDTable))}
-        shapes.update({k: a.shape for k, a in self._table_arrays().items()})
+        shapes = {k: a.shape for k, a in self._table_arrays().items()}
+        # plain tables by their full shape: a sharded model holds only a piece of some
+        shapes.update({f"emb.{t}.weight": (r, self.embedding_dim) for t, r in enumerate(self.embedding_sizes)
+                       if not isinstance(self.emb[t], (QRTable, MDTable))})
         shapes = {k: shapes[k] for k in sorted(shapes, key=_emb_order)}
         for prefix, sizes in (("bot", self.bottom_mlp), ("top", self.top_mlp)):
             for l, (n, m) in enumerate(zip(sizes[:-1], sizes[1:])):
