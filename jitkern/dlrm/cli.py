@@ -111,6 +111,10 @@ def model_options(args, sizes) -> dict:
     opts = dict(optimizer=args.optimizer, loss=loss, activation=args.activation_function,
                 weighted_pooling=args.weighted_pooling,
                 loss_threshold=args.loss_threshold if 0.0 < args.loss_threshold < 1.0 else 0.0)  # else off, as the reference
+    if args.eps is not None:
+        opts["eps"] = args.eps
+    if args.arch_interaction_op == "dcn":
+        opts.update(dcn_layers=args.dcn_num_layers, dcn_rank=args.dcn_low_rank_dim)
     if args.loss_function == "wbce":
         try:
             weights = [float(v) for v in args.loss_weights.split("-")]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .torchrec_flags import FlagError, translate
+
 PROG = "dlrm"
 
 # dest -> the reference's default, for every one of its flags whose jitkern default differs
@@ -50,8 +52,11 @@ def _model_flags(p):
                    help="rows per table, dash-separated (ignored with --data-generation dataset)")
     a.add_argument("--arch-mlp-bot", default="13-64-16", help="bottom MLP: n_dense-...-D")
     a.add_argument("--arch-mlp-top", default="64-32-1", help="top MLP without its input width: ...-1")
-    a.add_argument("--arch-interaction-op", choices=("dot", "cat"), default="dot")
+    a.add_argument("--arch-interaction-op", choices=("dot", "cat", "dcn"), default="dot",
+                   help="dcn: DLRM-DCNv2's low-rank cross network over [bottom output, pooled embeddings]")
     a.add_argument("--arch-interaction-itself", action="store_true", default=False)
+    a.add_argument("--dcn-num-layers", type=int, default=3, help="dcn: cross layers")
+    a.add_argument("--dcn-low-rank-dim", type=int, default=512, help="dcn: rank of each cross layer's weight")
     a.add_argument("--activation-function", choices=("relu", "sigmoid"), default="relu",
                    help="hidden layers of both MLPs (the reference parses it but always uses relu)")
     a.add_argument("--weighted-pooling", choices=("fixed", "learned"), default=None,
@@ -83,6 +88,8 @@ def _loss_flags(p):
     a.add_argument("--optimizer", choices=("sgd", "adagrad", "rwsadagrad"), default="sgd",
                    help="adagrad: torch.optim.Adagrad's on every parameter (element-wise on tables); "
                         "rwsadagrad: row-wise Adagrad on tables, Adagrad on the MLPs")
+    a.add_argument("--eps", type=float, default=None,
+                   help="Adagrad's epsilon (default: torch.optim.Adagrad's 1e-10; dlrm_main.py's is 1e-8)")
     a.add_argument("--mini-batch-size", type=int, default=256)
     a.add_argument("--num-batches", type=int, default=1000, help="batches per epoch (0: the whole data set)")
     a.add_argument("--nepochs", type=int, default=1)
@@ -100,6 +107,11 @@ def _data_flags(p):
                    help="random: the reference's generator; synthetic: learnable (hidden teacher); "
                         "dataset: Criteo data; internal: Meta's loader (not available)")
     d.add_argument("--num-indices-per-lookup", type=int, default=1)
+    d.add_argument("--multi-hot-sizes", default="",
+                   help="fixed lookups per table, dash- or comma-separated (random/synthetic data; on Criteo "
+                        "one-hot data, MLPerf's one-hot -> multi-hot expansion)")
+    d.add_argument("--multi-hot-distribution-type", choices=("uniform", "pareto"), default="uniform",
+                   help="how the multi-hot ids beyond the first are drawn")
     _switch(d, "--num-indices-per-lookup-fixed", False, "every bag has exactly --num-indices-per-lookup ids")
     _switch(d, "--round-targets", False, "random: 0/1 labels")
     d.add_argument("--data-size", type=int, default=0, help="random: samples per epoch (0: batches x batch size)")
@@ -211,9 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     """The flags; with --reference-defaults, those not given take the reference's defaults."""
     p = build_parser()
-    if p.parse_known_args(sys.argv[1:] if argv is None else argv)[0].reference_defaults:
+    try:
+        argv, notes = translate(sys.argv[1:] if argv is None else argv)
+    except FlagError as e:
+        p.error(str(e))
+    if p.parse_known_args(argv)[0].reference_defaults:
         p.set_defaults(**REFERENCE_DEFAULTS)
     args = p.parse_args(argv)
+    args.translation_notes = notes
     if args.test_num_workers < 0:
         args.test_num_workers = args.num_workers
     args.profile = args.profile or args.enable_profiling
@@ -269,7 +286,7 @@ def _trick_refusals(args) -> list:
 
 def notes(args, under_mpi: bool) -> list:
     """Lines the run prints about flags it accepts but that change nothing here."""
-    out = []
+    out = list(getattr(args, "translation_notes", ()))
     if args.local_rank != -1:
         out.append(f"note: --local_rank {args.local_rank} ignored: " +
                    ("MPI gives each rank its place" if under_mpi else "one process (run under mpiexec for many)"))

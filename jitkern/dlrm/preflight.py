@@ -66,6 +66,11 @@ def check_values(args) -> None:
         raise PreflightError(f"--max-ind-range must be -1 (off) or >= 2 rows per table, got {args.max_ind_range}")
     if not 0 <= args.mlperf_auc_threshold <= 1:
         raise PreflightError(f"--mlperf-auc-threshold must be in [0, 1], got {args.mlperf_auc_threshold}")
+    if args.arch_interaction_op == "dcn":
+        _at_least("--dcn-num-layers", args.dcn_num_layers, 1)
+        _at_least("--dcn-low-rank-dim", args.dcn_low_rank_dim, 1)
+    if args.eps is not None and not 0 <= args.eps < float("inf"):
+        raise PreflightError(f"--eps must be finite and >= 0, got {args.eps}")
 
 
 def _is_sharded_dir(path: Path) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from . import preflight
+from .batch import Batch
 from .data import iterate_batches, load_preprocessed, make_batch, preprocess, table_sizes
 from .data.layout import is_dataset_dir
 from .data.readers import CriteoDataset, load_mlperf_bin
@@ -179,12 +180,87 @@ def build_dataset(args, test_bs, rs, log=print):
             return (BinBatches(train, args.mini_batch_size, args.num_batches, shuffle=args.mlperf_bin_shuffle, **common),
                     BinBatches(test, test_bs, args.num_test_batches, shuffle=False, **common))
         block_shuffle = kind == "jitkern" and args.data_randomize == "total"
-        return (DatasetData(train, args.mini_batch_size, args.num_batches, shuffle=block_shuffle, **common),
-                DatasetData(test, test_bs, args.num_test_batches, shuffle=False, **common))
+        return _expanded(args, DatasetData(train, args.mini_batch_size, args.num_batches, shuffle=block_shuffle, **common),
+                         DatasetData(test, test_bs, args.num_test_batches, shuffle=False, **common))
     except preflight.PreflightError:
         raise
     except (ValueError, OSError) as e:
         raise type(e)(f"--processed-data-file: {e}") from None
+
+
+def multi_hot_sizes(args, num_tables: int):
+    """--multi-hot-sizes as one int >= 1 per table, or None when not given."""
+    if not args.multi_hot_sizes:
+        return None
+    try:
+        sizes = [int(v) for v in args.multi_hot_sizes.replace(",", "-").split("-")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise preflight.PreflightError(f"--multi-hot-sizes takes lookups >= 1 per table, got {args.multi_hot_sizes!r}")
+    if len(sizes) != num_tables:
+        raise preflight.PreflightError(f"--multi-hot-sizes gives {len(sizes)} sizes for {num_tables} tables")
+    return sizes
+
+
+_EXPANSION_MEMORY = 0.25   # share of this machine's memory the multi-hot lookup tables may take
+
+
+class MultiHotExpansion:
+    """MLPerf DLRM-DCNv2's one-hot -> multi-hot expansion of Criteo batches, on the fly: id r of
+    table t becomes the bag [r, m_t[r, 0], ..., m_t[r, k_t - 2]], the (rows, k_t - 1) table m_t drawn
+    as its materialisation script draws it (legacy NumPy seeded 0, tables in order; uniform ids, or
+    Pareto(0.25) draws cast to int32 modulo rows)."""
+
+    def __init__(self, source, sizes, dist: str):
+        self.source = source
+        rows = source.embedding_sizes
+        need = 8 * sum(r * k for r, k in zip(rows, sizes))
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > _EXPANSION_MEMORY * have:
+            raise preflight.PreflightError(f"--multi-hot-sizes: the expansion tables need {need / 2**30:.1f} GiB, "
+                                           f"more than a quarter of this machine's {have / 2**30:.0f} GiB; cap the "
+                                           "tables (--max-ind-range)")
+        rs = np.random.RandomState(0)
+        self.tables = []
+        for r, k in zip(rows, sizes):
+            if dist == "pareto":
+                with np.errstate(invalid="ignore"):
+                    extra = rs.pareto(a=0.25, size=(r, k - 1)).astype(np.int32) % r
+            else:
+                extra = rs.randint(0, r, size=(r, k - 1))
+            self.tables.append(np.concatenate([np.arange(r)[:, None], extra], axis=1).astype(np.int64))
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def __len__(self):
+        return len(self.source)
+
+    def expand(self, b: Batch) -> Batch:
+        n = b.size
+        offsets = np.empty_like(b.offsets)
+        indices = []
+        for t, (idx, table) in enumerate(zip(b.indices, self.tables)):
+            if len(idx) != n:
+                raise ValueError(f"--multi-hot-sizes expands one-hot data; table {t} has {len(idx)} ids for "
+                                 f"{n} samples")
+            offsets[t] = np.arange(0, n * table.shape[1], table.shape[1])
+            indices.append(table[idx].reshape(-1))
+        return Batch(b.dense, offsets, indices, b.labels)
+
+    def batches(self, epoch: int = 0, start: int = 0):
+        for b in self.source.batches(epoch, start):
+            yield self.expand(b)
+
+
+def _expanded(args, train, test):
+    """The dataset's sources, expanded to --multi-hot-sizes where given."""
+    sizes = multi_hot_sizes(args, len(train.embedding_sizes))
+    if sizes is None:
+        return train, test
+    return (MultiHotExpansion(train, sizes, args.multi_hot_distribution_type),
+            MultiHotExpansion(test, sizes, args.multi_hot_distribution_type))
 
 
 def build_generated(args, sizes, num_dense, test_bs):
@@ -196,16 +272,21 @@ def build_generated(args, sizes, num_dense, test_bs):
     k, fixed, seed = args.num_indices_per_lookup, args.num_indices_per_lookup_fixed, args.numpy_rand_seed
     if k < 1:
         raise ValueError(f"--num-indices-per-lookup must be >= 1, got {k}")
+    multi = multi_hot_sizes(args, len(sizes))
+    pareto = multi is not None and args.multi_hot_distribution_type == "pareto"
+    if multi is not None:
+        k, fixed = multi, True
     if args.data_generation == "random":
         dist = None if args.rand_data_dist == "uniform" else \
             Gaussian(args.rand_data_min, args.rand_data_max, args.rand_data_mu, args.rand_data_sigma)
+        dist = "pareto" if pareto else dist
         # held out: the same generator on another seed (the reference reuses the training seed)
         common = dict(num_indices_per_lookup=k, fixed=fixed, round_targets=args.round_targets, dist=dist)
         data_size = args.data_size if args.num_batches == 0 else None
         train = RandomData(sizes, num_dense, args.mini_batch_size, n_train, seed=seed, data_size=data_size, **common)
         test = RandomData(sizes, num_dense, test_bs, n_test, seed=seed + 1, **common)
         return train, test
-    common = dict(num_indices_per_lookup=k, fixed=fixed, seed=seed)
+    common = dict(num_indices_per_lookup=k, fixed=fixed, seed=seed, pareto=pareto)
     return (SyntheticData(sizes, num_dense, args.mini_batch_size, n_train, split="train", **common),
             SyntheticData(sizes, num_dense, test_bs, n_test, split="test", **common))
 

@@ -93,17 +93,32 @@ def gaussian_sparse(rs, rows: int, n: int, k: int, fixed: bool, dist: Gaussian):
     return _offsets_from_sizes(sizes), np.concatenate(bags) if bags else np.zeros(0, np.int64)
 
 
+def per_table(k, t: int) -> int:
+    """Table t's lookups per sample: k itself, or its t-th entry (multi-hot sizes)."""
+    return k if isinstance(k, (int, np.integer)) else k[t]
+
+
+def pareto_ids(rs, rows: int, size: int) -> np.ndarray:
+    """Heavy-tailed ids: Pareto(a=0.25) draws modulo rows (the multi-hot "pareto" distribution of
+    MLPerf's DLRM-DCNv2); draws past 2**62 are clipped so the cast is defined."""
+    return np.minimum(rs.pareto(0.25, size), 2.0 ** 62).astype(np.int64) % rows
+
+
 def random_batch(rs, embedding_sizes, num_dense, n, k, fixed, round_targets=False, dist=None) -> Batch:
     """The reference's generate_random_input_batch + generate_random_output_batch, from rs
-    (dist: None for uniform ids, or Gaussian)."""
+    (dist: None for uniform ids, "pareto" (fixed pooling, no deduplication), or Gaussian; k: lookups
+    per sample, one for all tables or one per table)."""
     dense = rs.rand(n, num_dense).astype(np.float32)
     offsets = np.empty((len(embedding_sizes), n), np.int64)
     indices = []
     for t, rows in enumerate(embedding_sizes):
+        kt = per_table(k, t)
         if dist is None:
-            offsets[t], idx = random_sparse(rs, rows, n, k, fixed)
+            offsets[t], idx = random_sparse(rs, rows, n, kt, fixed)
+        elif dist == "pareto":
+            offsets[t], idx = np.arange(0, n * kt, kt, dtype=np.int64), pareto_ids(rs, rows, n * kt)
         else:
-            offsets[t], idx = gaussian_sparse(rs, rows, n, k, fixed, dist)
+            offsets[t], idx = gaussian_sparse(rs, rows, n, kt, fixed, dist)
         indices.append(idx)
     labels = rs.rand(n, 1).astype(np.float32)
     if round_targets:
@@ -188,12 +203,13 @@ class SyntheticData:
     SPLITS = {"train": 0, "test": 1}
 
     def __init__(self, embedding_sizes, num_dense, batch_size, num_batches, *, num_indices_per_lookup=1,
-                 fixed=True, seed=123, split="train"):
+                 fixed=True, seed=123, split="train", pareto=False):
         if split not in self.SPLITS:
             raise ValueError(f"split must be one of {tuple(self.SPLITS)}, got {split!r}")
         self.embedding_sizes = list(embedding_sizes)
         self.num_dense, self.batch_size, self.num_batches = num_dense, batch_size, num_batches
         self.k, self.fixed, self.seed, self.split = num_indices_per_lookup, fixed, seed, split
+        self.pareto = pareto  # ids Pareto-distributed (multi-hot "pareto") instead of uniform
         self.teacher = Teacher(self.embedding_sizes, num_dense, seed)
 
     def __len__(self):
@@ -206,9 +222,11 @@ class SyntheticData:
         offsets = np.empty((len(self.embedding_sizes), n), np.int64)
         indices = []
         for t, rows in enumerate(self.embedding_sizes):
-            sizes = np.full(n, self.k, np.int64) if self.fixed else rng.integers(1, self.k + 1, n)
+            k = per_table(self.k, t)
+            sizes = np.full(n, k, np.int64) if self.fixed else rng.integers(1, k + 1, n)
             offsets[t] = _offsets_from_sizes(sizes)
-            indices.append(rng.integers(0, rows, int(sizes.sum()), dtype=np.int64))
+            m = int(sizes.sum())
+            indices.append(pareto_ids(rng, rows, m) if self.pareto else rng.integers(0, rows, m, dtype=np.int64))
         p = 1.0 / (1.0 + np.exp(-self.teacher.logits(dense, offsets, indices)))
         labels = (rng.random(n) < p).astype(np.float32)
         return Batch(dense, offsets, indices, labels)
