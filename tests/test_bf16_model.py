@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from jitkern import ops
+from jitkern.dlrm import flags
+from jitkern.dlrm.cli import main
 from jitkern.dlrm.metrics import roc_auc
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.model_state import SplitWeight
@@ -240,3 +242,23 @@ def test_bf16_training_reaches_fp32_auc():
     assert aucs["fp32"] >= 0.75
     assert abs(aucs["fp32"] - aucs["bf16"]) <= 0.003
     assert gap.max() < 0.01
+
+
+# --------------------------------------------------------------------------- the trainer's flag
+
+TINY_CLI = ["--arch-embedding-size", "10-20-40-80", "--arch-sparse-feature-size", "16", "--arch-mlp-bot",
+            "13-32-16", "--arch-mlp-top", "16-1", "--mini-batch-size", "64", "--threads", "1", "--progress", "off",
+            "--num-batches", "4"]
+
+
+def test_precision_flag_sets_mlps_and_tables_by_default(capsys):
+    p = flags.build_parser()
+    args = p.parse_args([])
+    assert (args.precision, args.embedding_precision) == ("fp32", None)
+    for argv, want in ((["--precision", "bf16"], "precision='bf16'"),
+                       (["--precision", "bf16", "--embedding-precision", "fp32"],
+                        "precision='bf16', embedding_precision='fp32'"),
+                       (["--embedding-precision", "bf16"], "precision='fp32', embedding_precision='bf16'")):
+        assert main(TINY_CLI + argv) == 0
+        out = capsys.readouterr().out
+        assert want + ")" in out or want + "," in out, out

@@ -574,7 +574,8 @@ class DLRM(ModelState):
 
     def __repr__(self):
         extra = "".join(f", {k}={v!r}" for k, v in self.arch_extras().items())
-        tables = "" if self.embedding_precision == self.precision else f", embedding_precision={self.embedding_precision!r}"
+        tables = "" if self.embedding_precision == self.precision else \
+            f", embedding_precision={self.embedding_precision!r}"
         return (f"DLRM(tables={self.num_tables}, D={self.embedding_dim}, bottom={self.bottom_mlp}, "
                 f"top={self.top_mlp}, interaction={self.interaction!r}, self_interaction={self.self_interaction}, "
                 f"precision={self.precision!r}{tables}{extra})")
