@@ -264,15 +264,17 @@ def _profile(model, step, reps, cfg, batch, threads) -> None:
     model.timer = StageTimer()
 
 
-def _time_alternately(steps: dict, reps: int) -> dict:
+def _time_alternately(steps: dict, reps: int, cpu: dict | None = None) -> dict:
     """name -> step times; the implementations alternate step by step, so that a load change on a
-    shared machine hits both alike."""
+    shared machine hits both alike. cpu: a dict to fill with each step's CPU time of this thread too."""
     times = {name: [] for name in steps}
     for _ in range(reps):
         for name, fn in steps.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.setdefault(name, []).append(time.thread_time() - c0)
     return times
 
 
@@ -304,13 +306,20 @@ def main(argv=None) -> int:
     return 0
 
 
-def _print_times(steps, reps, batch) -> dict:
-    """Time the steps alternately and print their table; -> name -> median seconds."""
-    times = _time_alternately(steps, reps)
+def _print_times(steps, reps, batch, cpu=None) -> dict:
+    """Time the steps alternately and print their table; -> name -> median seconds. cpu: a dict
+    that receives name -> median CPU seconds of this thread (a column of its own)."""
+    cpu_times = None if cpu is None else {}
+    times = _time_alternately(steps, reps, cpu_times)
     med = {name: statistics.median(t) for name, t in times.items()}
-    print_table(["implementation", "ms/iter", "spread", "samples/s"],
-                [[name, f"{med[name] * 1e3:.1f}", _spread(times[name]), f"{batch / med[name]:,.0f}"]
-                 for name in steps])
+    rows = [[name, f"{med[name] * 1e3:.1f}", _spread(times[name]), f"{batch / med[name]:,.0f}"] for name in steps]
+    head = ["implementation", "ms/iter", "spread", "samples/s"]
+    if cpu is not None:
+        cpu.update({name: statistics.median(t) for name, t in cpu_times.items()})
+        head.append("thread CPU ms/iter")
+        for row, name in zip(rows, steps):
+            row.append(f"{cpu[name] * 1e3:.1f} {_spread(cpu_times[name])}")
+    print_table(head, rows)
     return med
 
 
@@ -331,9 +340,12 @@ def _bf16_comparison(args, cfg, batches, model, jk_step) -> None:
             steps[name] = torch_step_fn(torch, ref, batches, net=net, autocast=cast)
             losses[name] = steps[name].first_loss()
     print("same weights and batch, forward: loss " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items()))
-    med = _print_times(steps, args.reps, args.batch_size)
-    print("jitkern bf16 samples/s over: " + ", ".join(f"{name} {med[name] / med['jitkern bf16']:.2f}x"
-                                                      for name in steps if name != "jitkern bf16"))
+    cpu = {} if args.threads == 1 else None     # one thread: each step runs on this one
+    med = _print_times(steps, args.reps, args.batch_size, cpu)
+    for what, t in (("wall", med), ("thread CPU", cpu)):
+        if t is not None:
+            print(f"jitkern bf16 speed-up ({what} time): " + ", ".join(
+                f"{name} {t[name] / t['jitkern bf16']:.2f}x" for name in steps if name != "jitkern bf16"))
 
 
 def _fp32_comparison(args, batches, model, jk_step) -> None:
