@@ -262,3 +262,22 @@ def test_precision_flag_sets_mlps_and_tables_by_default(capsys):
         assert main(TINY_CLI + argv) == 0
         out = capsys.readouterr().out
         assert want + ")" in out or want + "," in out, out
+
+
+def test_other_dense_optimizers_update_split_pairs_in_fp32():
+    """An optimizer without a fused Split-pair kernel runs on the rejoined fp32 weight, split again:
+    here plain SGD by that path, bit for bit the fused split_sgd_."""
+    class Unfused:
+        name = "unfused-sgd"
+
+        def step(self, param, state, grad, lr):
+            ops.sgd_(param, grad, lr)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((7, 33)).astype(np.float32)
+    g = rng.standard_normal((7, 33)).astype(np.float32)
+    fused, unfused = SplitWeight(w), SplitWeight(w)
+    fused.step(DLRM(**ARCH).dense_opt, None, g, 0.25)
+    unfused.step(Unfused(), None, g, 0.25)
+    np.testing.assert_array_equal(fused.hi.bits, unfused.hi.bits)
+    np.testing.assert_array_equal(fused.lo, unfused.lo)
+    np.testing.assert_array_equal(unfused.to_float32(), ops.sgd_(w.copy(), g, 0.25))
