@@ -451,8 +451,9 @@ class DLRM(ModelState):
         with self.timer("bottom_bwd"):
             dy = dx
             grads = [None] * len(self.bot_w)
+            first = ctx.buf.dense16 if self.precision == "bf16" else ctx.dense    # what layer 0 read
             for l in range(len(self.bot_w) - 1, -1, -1):
-                x = ctx.buf.bot[l - 1] if l else ctx.dense if self.precision != "bf16" else ctx.buf.dense16
+                x = first if l == 0 else ctx.buf.bot[l - 1]
                 dy, dw, db = self._layer_backward(dy, x, self.bot_w[l], ctx.buf.bot[l], self.activation,
                                                   need_dx=l > 0)
                 grads[l] = (dw, db)
