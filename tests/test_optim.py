@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jitkern.ops import SplitBF16Table, reference, sgd_
+from jitkern.ops import BF16Array, SplitBF16Table, join_float32, reference, sgd_, split_float32, split_sgd_
 
 EPS32 = 2.0 ** -23
 
@@ -65,3 +65,57 @@ def test_split_table_checks_arguments():
         SplitBF16Table(np.ones((2, 2), np.uint16), np.ones((2, 3), np.uint16))
     with pytest.raises(ValueError, match="2-D"):
         SplitBF16Table(np.ones(4, np.uint16), np.ones(4, np.uint16))
+
+
+# --------------------------------------------------------------------------- Split-SGD on dense pairs
+
+_SPECIALS = np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -3e-39, 3.4e38, 1.0, -1.5], np.float32)
+
+
+@given(st.sampled_from([(0,), (1,), (9,), (13, 17), (3, 1, 5), (70001,)]), st.integers(0, 2**32 - 1),
+       st.sampled_from([0.0, 1e-3, 0.5, -2.0]))
+def test_split_sgd_matches_reference_and_fp32_sgd(shape, seed, lr):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(shape).astype(np.float32)
+    if w.size >= len(_SPECIALS):
+        w.reshape(-1)[:len(_SPECIALS)] = _SPECIALS
+    g = rng.standard_normal(shape).astype(np.float32)
+    hi, lo = split_float32(w)
+    rhi, rlo = BF16Array(hi.bits.copy()), lo.copy()
+    reference.split_sgd_(rhi, rlo, g, lr)
+    assert split_sgd_(hi, lo, g, lr)[0] is hi
+    want = sgd_(w.copy(), g, lr)      # the fp32 update, bit for bit: no precision lost to the split
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(join_float32(hi, lo).view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(reference.bf16_join(rhi.bits, rlo), reference.sgd_(w.copy(), g, lr))
+    np.testing.assert_array_equal(hi.bits, reference.bf16_split(want)[0])
+
+
+def test_split_roundtrip_is_exact():
+    w = np.concatenate([_SPECIALS, [np.nan]]).astype(np.float32).reshape(2, 5)
+    hi, lo = split_float32(w)
+    assert isinstance(hi, BF16Array) and hi.shape == (2, 5) and lo.dtype == np.uint16
+    np.testing.assert_array_equal(join_float32(hi, lo).view(np.uint32), w.view(np.uint32))
+    rh, rl = reference.bf16_split(w)
+    np.testing.assert_array_equal(hi.bits, rh)
+    np.testing.assert_array_equal(lo, rl)
+
+
+def test_split_sgd_checks_arguments():
+    hi, lo = split_float32(np.ones((4, 3), np.float32))
+    g = np.ones((4, 3), np.float32)
+    with pytest.raises(TypeError, match="hi must be a BF16Array"):
+        split_sgd_(hi.bits, lo, g, 0.1)
+    with pytest.raises(TypeError, match="lo"):
+        split_sgd_(hi, lo.astype(np.int16), g, 0.1)
+    with pytest.raises(ValueError, match="lo must have shape"):
+        split_sgd_(hi, lo[:2], g, 0.1)
+    with pytest.raises(TypeError, match="grad"):
+        split_sgd_(hi, lo, g.astype(np.float64), 0.1)
+    with pytest.raises(ValueError, match="lr must be finite"):
+        split_sgd_(hi, lo, g, float("inf"))
+    with pytest.raises(ValueError, match="lo must not overlap"):
+        split_sgd_(hi, hi.bits, g, 0.1)
+    with pytest.raises(TypeError, match="x must be a float32"):
+        split_float32(np.ones(3))
+    np.testing.assert_array_equal(join_float32(hi, lo), 1.0)

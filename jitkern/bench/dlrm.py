@@ -1,13 +1,18 @@
-"""python -m jitkern bench dlrm --config NAME [--threads N]: a DLRM training step, jitkern vs PyTorch.
+"""python -m jitkern bench dlrm --config NAME [--threads N] [--precision {fp32,bf16}]: a DLRM
+training step, jitkern vs PyTorch.
 
 Both models start from the same weights and train on the same random batches (the reference's
 generator, fixed pooling), in one process; the PyTorch model is dlrm_s_pytorch.py's
 (nn.EmbeddingBag(mode="sum", sparse=True), Linear + ReLU, bmm + tril-gather interaction,
 Sigmoid + BCELoss, optim.SGD). Also reported: jitkern's peak memory over its parameter bytes.
+--precision bf16: jitkern's bf16 step (DLRM(precision="bf16"): bf16 MLPs, interaction and tables)
+against its fp32 step, PyTorch's fp32 step and PyTorch under torch.autocast("cpu", bfloat16) on
+the same model (the loss in fp32), all from the same weights.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import statistics
@@ -102,21 +107,33 @@ def torch_dlrm(torch, model: DLRM):
     return TorchDLRM()
 
 
-def torch_step_fn(torch, model: DLRM, batches):
-    net = torch_dlrm(torch, model)
+def torch_step_fn(torch, model: DLRM, batches, *, net=None, autocast=False):
+    """A PyTorch training step on `net` (default: a new torch_dlrm of `model`); autocast: the
+    forward under torch.autocast("cpu", dtype=torch.bfloat16), the loss on its output in fp32."""
+    net = torch_dlrm(torch, model) if net is None else net
     loss_fn = torch.nn.BCELoss(reduction="mean")
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     tb = [(torch.from_numpy(b.dense), [torch.from_numpy(o) for o in b.offsets],
            [torch.from_numpy(i) for i in b.indices], torch.from_numpy(b.labels).view(-1, 1)) for b in batches]
     it = itertools.cycle(tb)
+    context = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
 
     def step():
         dense, offsets, indices, labels = next(it)
         opt.zero_grad()
-        loss = loss_fn(net(dense, offsets, indices), labels)
+        with context():
+            out = net(dense, offsets, indices)
+        loss = loss_fn(out.float(), labels)
         loss.backward()
         opt.step()
         return loss.item()
+
+    def first_loss():
+        """The loss on batch 0 (forward only, parameters untouched)."""
+        dense, offsets, indices, labels = tb[0]
+        with torch.no_grad(), context():
+            return loss_fn(net(dense, offsets, indices).float(), labels).item()
+    step.first_loss = first_loss
     return step
 
 
@@ -140,16 +157,18 @@ def _parse(argv):
     p.add_argument("--reps", type=int, default=6, help="timed steps per implementation (at least)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
     p.add_argument("--profile", action="store_true", help="jitkern's time per stage")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: jitkern's bf16 step against its fp32 step, PyTorch fp32 and PyTorch bf16 autocast")
     return p.parse_args(argv)
 
 
-def _jitkern_model(cfg, batches):
+def _jitkern_model(cfg, batches, precision="fp32"):
     """The model, warmed up (compile, first touch) inside a peak-memory window; -> (model, step fn,
     peak bytes over the process before the model, whole-process peak, whether the peak was reset)."""
     gc.collect()
     exact_peak = reset_peak_rss()
     base = rss_bytes()
-    model = DLRM(**cfg.model_kwargs(), seed=0)
+    model = DLRM(**cfg.model_kwargs(), seed=0, precision=precision)
     it = itertools.cycle(batches)
 
     def step():
@@ -197,14 +216,25 @@ class _ThreadTimer(StageTimer):
             self.add(name, time.thread_time() - t0)
 
 
+def _peaks(threads, bf16) -> dict:
+    """stage -> this machine's measured FLOP peak for it: the FMA peak, the bf16 dot-product peak
+    for a bf16 model's MLP stages (where the target has one)."""
+    from .interaction import bf16_peak_gflops, fma_peak_gflops
+    fma = max(fma_peak_gflops() for _ in range(3)) * threads
+    dot = [bf16_peak_gflops() for _ in range(3)] if bf16 else [None]
+    mlp = max(dot) * threads if dot[0] else fma
+    return {"fma": fma, "mlp": mlp}
+
+
 def _profile(model, step, reps, cfg, batch, threads) -> None:
     """--profile: jitkern's time per stage over `reps` steps, each stage's rate against this
-    machine's measured FMA peak (GEMM stages) or copy bandwidth (embedding stages), and the step
-    against its floor: every stage's FLOPs at the FMA peak plus the embedding bytes at the bandwidth.
-    On one thread stages and step are timed in the thread's CPU time, each the best of `reps` steps."""
+    machine's measured FMA peak (GEMM stages; a bf16 model's MLPs: the bf16 dot-product peak) or
+    copy bandwidth (embedding stages), and the step against its floor: every stage's FLOPs at its
+    peak plus the embedding bytes at the bandwidth. On one thread stages and step are timed in the
+    thread's CPU time, each the best of `reps` steps."""
     from .common import copy_bandwidth_gbs
-    from .interaction import fma_peak_gflops
-    peak = max(fma_peak_gflops() for _ in range(3)) * threads
+    peaks = _peaks(threads, model.precision == "bf16")
+    peak = peaks["fma"]
     bandwidth = copy_bandwidth_gbs()
     clock = time.thread_time if threads == 1 else time.perf_counter
     best, wall = {}, float("inf")
@@ -219,26 +249,32 @@ def _profile(model, step, reps, cfg, batch, threads) -> None:
     rows, floor = [], 0.0
     for name, sec in best.items():
         flops, nbytes = work.get(name, (0, 0))
-        floor += flops / (peak * 1e9) + nbytes / (bandwidth * 1e9)
-        rate = (f"{flops / sec / 1e9:.1f} GFLOP/s", f"{100 * flops / sec / 1e9 / peak:.0f}%") if flops else \
+        top = peaks["mlp"] if name.endswith(("_fwd", "_bwd")) and not name.startswith("embedding") else peak
+        floor += flops / (top * 1e9) + nbytes / (bandwidth * 1e9)
+        rate = (f"{flops / sec / 1e9:.1f} GFLOP/s", f"{100 * flops / sec / 1e9 / top:.0f}%") if flops else \
             ((f"{nbytes / sec / 1e9:.1f} GB/s", f"{100 * nbytes / sec / 1e9 / bandwidth:.0f}%") if nbytes else ("", ""))
         rows.append([name, f"{1e3 * sec:.2f}", *rate])
     print_table(["jitkern stage", "ms/step", "rate", "of peak"], rows)
-    print(f"measured peaks: FMA {peak:.1f} GFLOP/s ({threads} thread{'s' * (threads > 1)}), copy {bandwidth:.1f} GB/s; "
-          f"step floor {floor * 1e3:.1f} ms (FLOPs at the FMA peak + embedding bytes at the copy bandwidth); "
+    dot = f", bf16 dot product {peaks['mlp']:.1f} (MLP stages)" if peaks["mlp"] != peak else ""
+    print(f"measured peaks: FMA {peak:.1f} GFLOP/s{dot} ({threads} thread{'s' * (threads > 1)}), "
+          f"copy {bandwidth:.1f} GB/s; "
+          f"step floor {floor * 1e3:.1f} ms (FLOPs at {'their peaks' if dot else 'the FMA peak'} + embedding bytes at the "
+          f"copy bandwidth); "
           f"profiled step {wall * 1e3:.1f} ms = {wall / floor:.2f}x the floor")
     model.timer = StageTimer()
 
 
-def _time_alternately(steps: dict, reps: int) -> dict:
+def _time_alternately(steps: dict, reps: int, cpu: dict | None = None) -> dict:
     """name -> step times; the implementations alternate step by step, so that a load change on a
-    shared machine hits both alike."""
+    shared machine hits both alike. cpu: a dict to fill with each step's CPU time of this thread too."""
     times = {name: [] for name in steps}
     for _ in range(reps):
         for name, fn in steps.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.setdefault(name, []).append(time.thread_time() - c0)
     return times
 
 
@@ -255,11 +291,65 @@ def main(argv=None) -> int:
           f"pooling {cfg.lookups}, batch {args.batch_size}, threads {args.threads}")
     print(blas_description() if blas else "BLAS: unknown")
     batches = config_batches(cfg, args.batch_size, args.num_batches)
-    model, jk_step, peak, peak_abs, exact_peak = _jitkern_model(cfg, batches)
+    model, jk_step, peak, peak_abs, exact_peak = _jitkern_model(cfg, batches, args.precision)
     pbytes = model.parameter_bytes()
     if args.profile:
         _profile(model, jk_step, args.reps, cfg, args.batch_size, args.threads)
+    if args.precision == "bf16":
+        _bf16_comparison(args, cfg, batches, model, jk_step)
+    else:
+        _fp32_comparison(args, batches, model, jk_step)
+    how = "" if exact_peak else " (process peak: an upper bound)"
+    print(f"jitkern peak memory over the process before the model: {peak / 2**20:,.0f} MiB = "
+          f"{peak / pbytes:.2f}x its {pbytes / 2**20:,.0f} MiB of parameters{how}; whole process "
+          f"(interpreter, numba, batches) {peak_abs / 2**20:,.0f} MiB")
+    return 0
 
+
+def _print_times(steps, reps, batch, cpu=None) -> dict:
+    """Time the steps alternately and print their table; -> name -> median seconds. cpu: a dict
+    that receives name -> median CPU seconds of this thread (a column of its own)."""
+    cpu_times = None if cpu is None else {}
+    times = _time_alternately(steps, reps, cpu_times)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    rows = [[name, f"{med[name] * 1e3:.1f}", _spread(times[name]), f"{batch / med[name]:,.0f}"] for name in steps]
+    head = ["implementation", "ms/iter", "spread", "samples/s"]
+    if cpu is not None:
+        cpu.update({name: statistics.median(t) for name, t in cpu_times.items()})
+        head.append("thread CPU ms/iter")
+        for row, name in zip(rows, steps):
+            row.append(f"{cpu[name] * 1e3:.1f} {_spread(cpu_times[name])}")
+    print_table(head, rows)
+    return med
+
+
+def _bf16_comparison(args, cfg, batches, model, jk_step) -> None:
+    """jitkern bf16 against jitkern fp32, PyTorch fp32 and PyTorch bf16 autocast, all from the fp32
+    model's weights (loaded into the bf16 one), one PyTorch model for both PyTorch steps."""
+    ref, ref_step, *_ = _jitkern_model(cfg, batches)
+    model.load_state_dict(ref.state_dict())
+    steps = {"jitkern bf16": jk_step, "jitkern fp32": ref_step}
+    b = batches[0]
+    losses = {name: m.batch_loss(b.dense, b.offsets, b.indices, b.labels)
+              for name, m in (("jitkern bf16", model), ("jitkern fp32", ref))}
+    torch = None if args.no_torch else torch_or_none()
+    if torch is not None:
+        torch.set_num_threads(args.threads)
+        net, tname = torch_dlrm(torch, ref), f"torch {torch.__version__}"
+        for name, cast in ((f"{tname} fp32", False), (f"{tname} bf16 autocast", True)):
+            steps[name] = torch_step_fn(torch, ref, batches, net=net, autocast=cast)
+            losses[name] = steps[name].first_loss()
+    print("same weights and batch, forward: loss " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items()))
+    cpu = {} if args.threads == 1 else None     # one thread: each step runs on this one
+    med = _print_times(steps, args.reps, args.batch_size, cpu)
+    for what, t in (("wall", med), ("thread CPU", cpu)):
+        if t is not None:
+            print(f"jitkern bf16 speed-up ({what} time): " + ", ".join(
+                f"{name} {t[name] / t['jitkern bf16']:.2f}x" for name in steps if name != "jitkern bf16"))
+
+
+def _fp32_comparison(args, batches, model, jk_step) -> None:
+    """jitkern's fp32 step against PyTorch's, from the same weights."""
     steps = {"jitkern": jk_step}
     torch = None if args.no_torch else torch_or_none()
     tname = None if torch is None else f"torch {torch.__version__}"
@@ -270,18 +360,9 @@ def main(argv=None) -> int:
         jk_loss, t_loss = model.train_step(b.dense, b.offsets, b.indices, b.labels, LR), tstep()
         print(f"same weights and batch, one step: loss jitkern {jk_loss:.6f}, torch {t_loss:.6f}")
         tstep()
-    times = _time_alternately(steps, args.reps)
-    med = {name: statistics.median(t) for name, t in times.items()}
-    print_table(["implementation", "ms/iter", "spread", "samples/s"],
-                [[name, f"{med[name] * 1e3:.1f}", _spread(times[name]), f"{args.batch_size / med[name]:,.0f}"]
-                 for name in steps])
+    med = _print_times(steps, args.reps, args.batch_size)
     if tname is not None:
         print(f"jitkern / torch samples/s: {med[tname] / med['jitkern']:.2f}x")
-    how = "" if exact_peak else " (process peak: an upper bound)"
-    print(f"jitkern peak memory over the process before the model: {peak / 2**20:,.0f} MiB = "
-          f"{peak / pbytes:.2f}x its {pbytes / 2**20:,.0f} MiB of parameters{how}; whole process "
-          f"(interpreter, numba, batches) {peak_abs / 2**20:,.0f} MiB")
-    return 0
 
 
 if __name__ == "__main__":

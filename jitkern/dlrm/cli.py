@@ -227,7 +227,7 @@ def _build_model(args, setup, comm, log, num_batches):
         plan_pooling=args.num_indices_per_lookup)
     model = DLRM(sizes, args.arch_sparse_feature_size, bot, top, interaction=args.arch_interaction_op,
                  self_interaction=args.arch_interaction_itself, embedding_precision=args.embedding_precision,
-                 seed=args.numpy_rand_seed, comm=comm, init_stream=rs, **opts, **sharded)
+                 precision=args.precision, seed=args.numpy_rand_seed, comm=comm, init_stream=rs, **opts, **sharded)
     if comm is not None:
         log(model.describe())
     log(f"{model}: {model.parameter_bytes() / 2**20:.1f} MiB of parameters, {args.data_generation} data, "

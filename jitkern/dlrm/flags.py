@@ -61,8 +61,11 @@ def _model_flags(p):
                    help="hidden layers of both MLPs (the reference parses it but always uses relu)")
     a.add_argument("--weighted-pooling", choices=("fixed", "learned"), default=None,
                    help="per-row pooling weights (start at 1): fixed, or learned by the optimizer")
-    a.add_argument("--embedding-precision", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: Split-SGD tables (bf16 lookups, exact fp32 updates)")
+    a.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="MLPs and interaction; bf16: bf16 GEMMs on Split-SGD weights, fp32 accumulation, "
+                        "updates and loss")
+    a.add_argument("--embedding-precision", choices=("fp32", "bf16"), default=None,
+                   help="tables (default: --precision); bf16: Split-SGD tables (bf16 lookups, exact fp32 updates)")
     t = p.add_argument_group("embedding tricks (the reference's tricks/)")
     t.add_argument("--qr-flag", action="store_true", default=False,
                    help="quotient-remainder tables for tables with more rows than --qr-threshold")

@@ -24,7 +24,7 @@ from ..codegen.knobs import Workload
 from ..ops.embedding import empty_table
 from ..ops.loss import LOSSES
 from .configs import dlrm_workload, interaction_width
-from .model_state import ModelState, arch_extras
+from .model_state import ModelState, SplitWeight, arch_extras
 from .optimizers import DEFAULT_EPS, describe, make_optimizers
 from .step import Buffers, NullTimer, StageTimer, StepContext
 from .tables import QR, MDTable, QRTable
@@ -51,6 +51,9 @@ class DLRM(ModelState):
     (hidden layers), weighted_pooling None | "fixed" | "learned", qr: tables.QR (quotient-
     remainder tables), md_dims: per table None or its mixed-dimension width. init_stream: the
     NumPy stream the parameters are drawn from (default RandomState(seed)).
+    precision "fp32" | "bf16": the MLPs' and the interaction's (bf16: GEMMs on bf16 activations and
+    Split-pair weights, fp32 accumulation and updates, fp32 logits and loss); embedding_precision:
+    the tables' (None: precision).
     """
 
     # the subclass that serves DLRM(..., comm=...): it declares itself with `comm_variant=True`
@@ -72,14 +75,16 @@ class DLRM(ModelState):
         return super().__new__(cls)
 
     def __init__(self, embedding_sizes, embedding_dim, bottom_mlp, top_mlp, *, interaction="dot",
-                 self_interaction=False, embedding_precision="fp32", seed=0, comm=None, optimizer="sgd",
+                 self_interaction=False, embedding_precision=None, seed=0, comm=None, optimizer="sgd",
                  table_optimizer=None, eps=DEFAULT_EPS, loss="bce", loss_weights=None, loss_threshold=0.0,
-                 activation="relu", weighted_pooling=None, qr=None, md_dims=None, init_stream=None):
+                 activation="relu", weighted_pooling=None, qr=None, md_dims=None, init_stream=None,
+                 precision="fp32"):
         self.embedding_sizes = [int(r) for r in embedding_sizes]
         self.embedding_dim = int(embedding_dim)
         self.interaction = interaction
         self.self_interaction = bool(self_interaction)
-        self.embedding_precision = embedding_precision
+        self.precision = precision
+        self.embedding_precision = precision if embedding_precision is None else embedding_precision
         self.seed = seed
         self.comm = comm
         self.dense_opt, self.table_opt = make_optimizers(optimizer, table_optimizer, eps)
@@ -102,6 +107,8 @@ class DLRM(ModelState):
     def _check_arch(self, bottom_mlp, top_mlp):
         if self.interaction not in INTERACTIONS:
             raise ValueError(f"interaction must be one of {INTERACTIONS}, got {self.interaction!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.embedding_precision not in PRECISIONS:
             raise ValueError(f"embedding_precision must be one of {PRECISIONS}, got {self.embedding_precision!r}")
         if not self.embedding_sizes:
@@ -148,6 +155,13 @@ class DLRM(ModelState):
         plain = self.table_opt.name == "sgd" and self.weighted_pooling is None and self.qr is None and self.md_dims is None
         if self.embedding_precision != "fp32" and not plain:
             raise ValueError("bf16 Split-SGD tables take SGD only, without qr, md or weighted pooling")
+        if self.precision == "bf16" and (self.interaction != "dot" or self.activation != "relu"):
+            raise ValueError("precision='bf16' runs the dot interaction and relu hidden layers (bf16 GEMMs "
+                             f"with the ReLU fused), got interaction={self.interaction!r}, "
+                             f"activation={self.activation!r}")
+        if self.precision == "bf16" and self.comm is not None:
+            raise NotImplementedError("precision='bf16' MLPs run in one process; under MPI use precision='fp32' "
+                                      "(bf16 tables: embedding_precision='bf16')")
         if self.comm is not None and not (plain and self.dense_opt.name == "sgd"):
             raise NotImplementedError("under MPI the DLRM trains plain tables by SGD; the optimizers, qr, md and "
                                       "weighted pooling run in one process")
@@ -164,6 +178,8 @@ class DLRM(ModelState):
         self.emb = [self._new_table(t, rs, gen) for t in range(self.num_tables)]
         self.bot_w, self.bot_b = self._init_mlp(rs, self.bottom_mlp)
         self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
+        if self.precision == "bf16":            # weights as Split pairs; biases stay fp32 (the epilogue's)
+            self.bot_w, self.top_w = ([SplitWeight(w) for w in ws] for ws in (self.bot_w, self.top_w))
         learned = self.weighted_pooling == "learned"
         self.pool_w = [np.ones(r, np.float32) for r in self.embedding_sizes] if learned else None
 
@@ -201,7 +217,7 @@ class DLRM(ModelState):
     def _init_optimizer_state(self):
         """Zero optimizer state for every parameter this process holds (SGD keeps none)."""
         self.opt_state = {}
-        for name, p in self.mlp_state_dict().items():
+        for name, p in self.mlp_parameters().items():
             self._add_state(name, self.dense_opt.state(p.shape))
         for t, w in enumerate(self.emb):
             if isinstance(w, np.ndarray):
@@ -311,12 +327,18 @@ class DLRM(ModelState):
         """Embedding work that can run ahead of the bottom MLP and overlap it (one process: none)."""
 
     def _layer_forward(self, h, w, b, out, act):
-        """One linear layer with activation act ("relu", "sigmoid" or None) into out."""
+        """One linear layer with activation act ("relu", "sigmoid" or None) into out (a BF16Array
+        out: rounded once from the fp32 epilogue); a SplitWeight w: its bf16 half on bf16 h."""
+        if isinstance(w, SplitWeight):
+            return ops.linear_forward(h, w.hi, b, activation=act, out=out)
         y = ops.linear_forward(h, w, b, activation="relu" if act == "relu" else None, out=out)
         return ops.sigmoid_forward(y, out=y) if act == "sigmoid" else y
 
     def _layer_backward(self, dy, x, w, y, act, need_dx=True):
-        """(dx, dw, db) of _layer_forward; y: its output."""
+        """(dx, dw, db) of _layer_forward; y: its output. A SplitWeight w: bf16 GEMMs, dx bf16 (what
+        the layer below and the interaction read), dw and db fp32."""
+        if isinstance(w, SplitWeight):
+            return ops.linear_backward(dy, x, w.hi, y, activation=act, need_dx=need_dx, dx_dtype="bfloat16")
         if act == "sigmoid":
             dy = ops.sigmoid_backward(dy, y)
         return ops.linear_backward(dy, x, w, y, activation="relu" if act == "relu" else None, need_dx=need_dx)
@@ -324,11 +346,18 @@ class DLRM(ModelState):
     def bottom_forward(self, ctx: StepContext):
         """x = bottom MLP(dense); dense: (b, n_dense) -> x: (b, D), the activation after every layer."""
         with self.timer("bottom_fwd"):
-            h = ctx.dense
+            h = self._bottom_input(ctx)
             for w, b, out in zip(self.bot_w, self.bot_b, ctx.buf.bot):
                 h = self._layer_forward(h, w, b, out, self.activation)
                 self.layer_done(ctx, "bottom", None)
             return h
+
+    def _bottom_input(self, ctx: StepContext):
+        """The bottom MLP's input: the dense features, rounded to bf16 (in place of the step's
+        buffer) for bf16 MLPs."""
+        if self.precision != "bf16":
+            return ctx.dense
+        return ops.BF16Array.from_float32(ctx.dense, out=ctx.buf.dense16)
 
     def embedding_forward(self, ctx: StepContext) -> list:
         """ly[t] = sum-pooled rows of table t for this process's rows; -> ly: T arrays (b, D)."""
@@ -345,13 +374,17 @@ class DLRM(ModelState):
                 else:
                     ops.embedding_bag_forward(w, ctx.indices[t], ctx.offsets[t], per_sample_weights=psw,
                                               out=ctx.buf.ly[t])
+            if self.precision == "bf16":        # what the bf16 interaction reads
+                ops.BF16Array.from_float32(ctx.buf.pooled, out=ctx.buf.pooled16)
+                return ctx.buf.ly16
             return ctx.buf.ly
 
     def interaction_forward(self, ctx: StepContext, x, ly):
         """z: (b, top_mlp[0]) from x: (b, D) and ly: T arrays (b, D)."""
         with self.timer("interaction"):
             if self.interaction == "dot":
-                return ops.interaction_dot_forward(x, ly, self_interaction=self.self_interaction)
+                out_dtype = "bfloat16" if self.precision == "bf16" else None
+                return ops.interaction_dot_forward(x, ly, self_interaction=self.self_interaction, out_dtype=out_dtype)
             return ops.interaction_cat_forward(x, ly)
 
     def top_forward(self, ctx: StepContext, z):
@@ -418,8 +451,9 @@ class DLRM(ModelState):
         with self.timer("bottom_bwd"):
             dy = dx
             grads = [None] * len(self.bot_w)
+            first = ctx.buf.dense16 if self.precision == "bf16" else ctx.dense    # what layer 0 read
             for l in range(len(self.bot_w) - 1, -1, -1):
-                x = ctx.dense if l == 0 else ctx.buf.bot[l - 1]
+                x = first if l == 0 else ctx.buf.bot[l - 1]
                 dy, dw, db = self._layer_backward(dy, x, self.bot_w[l], ctx.buf.bot[l], self.activation,
                                                   need_dx=l > 0)
                 grads[l] = (dw, db)
@@ -467,7 +501,10 @@ class DLRM(ModelState):
             for prefix, ws, bs, grads in (("bot", self.bot_w, self.bot_b, bot_grads),
                                           ("top", self.top_w, self.top_b, top_grads)):
                 for l, (w, b, (dw, db)) in enumerate(zip(ws, bs, grads)):
-                    self.dense_opt.step(w, self.opt_state.get(f"{prefix}.{l}.weight"), dw, ctx.lr)
+                    if isinstance(w, SplitWeight):
+                        w.step(self.dense_opt, self.opt_state.get(f"{prefix}.{l}.weight"), dw, ctx.lr)
+                    else:
+                        self.dense_opt.step(w, self.opt_state.get(f"{prefix}.{l}.weight"), dw, ctx.lr)
                     self.dense_opt.step(b, self.opt_state.get(f"{prefix}.{l}.bias"), db, ctx.lr)
 
     def step_loss(self, ctx: StepContext, loss) -> float:
@@ -538,6 +575,8 @@ class DLRM(ModelState):
 
     def __repr__(self):
         extra = "".join(f", {k}={v!r}" for k, v in self.arch_extras().items())
+        tables = "" if self.embedding_precision == self.precision else \
+            f", embedding_precision={self.embedding_precision!r}"
         return (f"DLRM(tables={self.num_tables}, D={self.embedding_dim}, bottom={self.bottom_mlp}, "
                 f"top={self.top_mlp}, interaction={self.interaction!r}, self_interaction={self.self_interaction}, "
-                f"precision={self.embedding_precision!r}{extra})")
+                f"precision={self.precision!r}{tables}{extra})")

@@ -8,6 +8,44 @@ from .. import ops
 from .tables import MDTable, QRTable
 
 
+class SplitWeight:
+    """An fp32 MLP weight held as a bf16 Split pair (precision "bf16"): `hi`, the BF16Array the
+    GEMMs read (the weight truncated to bf16), and `lo`, its uint16 low halves; together exactly
+    the fp32 weight, which the update rejoins, changes in fp32 and splits again."""
+    __slots__ = ("hi", "lo")
+
+    def __init__(self, w: np.ndarray):
+        self.hi, self.lo = ops.split_float32(w)
+
+    @property
+    def shape(self) -> tuple:
+        return self.hi.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi.nbytes + self.lo.nbytes
+
+    def to_float32(self) -> np.ndarray:
+        """The exact fp32 weight (a new array)."""
+        return ops.join_float32(self.hi, self.lo)
+
+    def assign(self, w: np.ndarray) -> None:
+        """Hold the fp32 weight w (of this shape) from now on, in place."""
+        hi, lo = ops.split_float32(np.ascontiguousarray(w, np.float32))
+        np.copyto(self.hi.bits, hi.bits)
+        np.copyto(self.lo, lo)
+
+    def step(self, opt, state, grad, lr) -> None:
+        """The dense optimizer's update in fp32: SGD fused on the pair (ops.split_sgd_), any other
+        on the rejoined weight, split again."""
+        if opt.name == "sgd":
+            ops.split_sgd_(self.hi, self.lo, grad, lr)
+            return
+        w = self.to_float32()
+        opt.step(w, state, grad, lr)
+        self.assign(w)
+
+
 class ModelState:
     """Named arrays of a DLRM (self: the model: emb, pool_w, opt_state, the MLP lists)."""
 
@@ -17,14 +55,18 @@ class ModelState:
         return dense + sum(_table_nbytes(w) for w in self.emb if w is not None) + \
             sum(v.nbytes for v in self.pool_w or ())
 
-    def mlp_state_dict(self) -> dict:
-        """name -> live array of every MLP weight and bias."""
+    def mlp_parameters(self) -> dict:
+        """name -> every MLP weight and bias as held: fp32 arrays, or SplitWeight pairs (bf16)."""
         sd = {}
         for prefix, ws, bs in (("bot", self.bot_w, self.bot_b), ("top", self.top_w, self.top_b)):
             for l, (w, b) in enumerate(zip(ws, bs)):
                 sd[f"{prefix}.{l}.weight"] = w
                 sd[f"{prefix}.{l}.bias"] = b
         return sd
+
+    def mlp_state_dict(self) -> dict:
+        """name -> fp32 array of every MLP weight and bias: the live array, or a Split pair rejoined."""
+        return {k: p.to_float32() if isinstance(p, SplitWeight) else p for k, p in self.mlp_parameters().items()}
 
     def _table_arrays(self) -> dict:
         """name -> live array of every table parameter (fp32 tables; bf16 ones are left out)."""
@@ -39,7 +81,8 @@ class ModelState:
         return sd
 
     def state_dict(self) -> dict:
-        """name -> array; fp32 tables and all MLP arrays are the live parameters (no copies)."""
+        """name -> fp32 array; fp32 tables and MLP arrays are the live parameters (no copies), bf16
+        Split pairs (tables, MLP weights) rejoined copies."""
         sd = {f"emb.{t}.weight": w.to_float32() for t, w in enumerate(self.emb) if isinstance(w, ops.SplitBF16Table)}
         sd.update(self._table_arrays())
         sd = {k: sd[k] for k in sorted(sd, key=_emb_order)}
@@ -123,9 +166,12 @@ class ModelState:
         """Copy the given, already checked arrays into the parameters; tables this process does not
         hold are ignored (a sharded checkpoint gives each rank only its own)."""
         live = self._table_arrays()
-        live.update(self.mlp_state_dict())
+        live.update(self.mlp_parameters())
         live.update(self.optimizer_state_dict())
         for name, a in sd.items():
+            if isinstance(live.get(name), SplitWeight):
+                live[name].assign(a)
+                continue
             if name in live:
                 np.copyto(live[name], a)
                 continue

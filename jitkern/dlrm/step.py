@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ops import BF16Array
+
 
 class StageTimer:
     """Accumulated wall time per stage name (the trainer's --profile table); clock: another clock
@@ -41,19 +43,32 @@ class NullTimer:
         yield
 
 
+def _bf16(*shape) -> BF16Array:
+    return BF16Array(np.empty(shape, np.uint16))
+
+
 class Buffers:
-    """Activations of one batch size, reused by every step with that size."""
+    """Activations of one batch size, reused by every step with that size.
+
+    precision "bf16": every MLP activation is a BF16Array but the logits (fp32 for the loss), and
+    the bf16 copies of the dense input (dense16) and of the pooled embeddings (ly16) feed the GEMM
+    and the interaction."""
 
     def __init__(self, model, b: int):
-        # model: the DLRM (its layer widths and table count)
+        # model: the DLRM (its layer widths, table count and precision)
         self.size = b
-        self.bot = [np.empty((b, n), np.float32) for n in model.bottom_mlp[1:]]
-        self.top = [np.empty((b, n), np.float32) for n in model.top_mlp[1:]]
+        bf16 = model.precision == "bf16"
+        act = _bf16 if bf16 else (lambda *shape: np.empty(shape, np.float32))
+        self.bot = [act(b, n) for n in model.bottom_mlp[1:]]
+        self.top = [act(b, n) for n in model.top_mlp[1:-1]] + [np.empty((b, model.top_mlp[-1]), np.float32)]
         # pooled embeddings, one contiguous (B, D) block per table written in place via out=,
         # handed to the interaction as a list of T views (no stacking copy)
         self.pooled = np.empty((model.num_tables, b, model.feature_dim), np.float32)
         self.ly = list(self.pooled)
         self.zero_labels = np.zeros(b, np.float32)
+        self.dense16 = _bf16(b, model.num_dense) if bf16 else None
+        self.pooled16 = _bf16(model.num_tables, b, model.feature_dim) if bf16 else None
+        self.ly16 = [self.pooled16[t] for t in range(model.num_tables)] if bf16 else None
 
 
 @dataclass

@@ -232,8 +232,8 @@ def load_checkpoint(path: str, model: DLRM) -> dict:
         for name, e in entries.items():
             f.seek(16 + e["offset"])
             f.readinto(memoryview(sd[name]).cast("B"))
-    if model.embedding_precision != "fp32" or getattr(model, "comm", None) is not None:
-        model.load_state_dict(sd)                    # re-split the tables read as fp32; take each rank's pieces
+    if model.embedding_precision != "fp32" or model.precision != "fp32" or getattr(model, "comm", None) is not None:
+        model.load_state_dict(sd)                    # re-split the arrays read as fp32; take each rank's pieces
     return header["meta"]
 
 

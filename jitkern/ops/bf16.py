@@ -11,6 +11,7 @@ import numpy as np
 from numba import prange
 
 from ..codegen import jit
+from ..codegen.bf16 import as_float32, as_uint32
 from ..codegen.simd_bf16 import round_bf16, widen_bf16
 
 _PARALLEL_MIN = 1 << 16  # elements below which a conversion runs serially
@@ -38,6 +39,20 @@ def _widen_parallel(bits, x):
 def _widen_serial(bits, x):
     for i in range(x.shape[0]):
         x[i] = widen_bf16(bits[i])
+
+
+@jit(parallel=True)
+def _split(x, hi, lo):
+    for i in prange(x.shape[0]):
+        bits = as_uint32(x[i])
+        hi[i] = np.uint16(bits >> np.uint32(16))
+        lo[i] = np.uint16(bits & np.uint32(0xFFFF))
+
+
+@jit(parallel=True)
+def _join(hi, lo, x):
+    for i in prange(x.shape[0]):
+        x[i] = as_float32((np.uint32(hi[i]) << np.uint32(16)) | np.uint32(lo[i]))
 
 
 class BF16Array:
@@ -108,3 +123,26 @@ class BF16Array:
 
     def __repr__(self) -> str:
         return f"BF16Array(shape={self.shape})"
+
+
+def split_float32(x) -> tuple[BF16Array, np.ndarray]:
+    """x (float32, any shape) held exactly as a Split pair: (hi, lo), hi the BF16Array of x's high
+    halves (x truncated to bf16), lo the uint16 low halves; join_float32 gives x back bit for bit."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+        raise TypeError(f"x must be a float32 numpy.ndarray, got {getattr(x, 'dtype', type(x).__name__)}")
+    hi, lo = np.empty(x.shape, np.uint16), np.empty(x.shape, np.uint16)
+    if x.size:
+        _split(np.ascontiguousarray(x).reshape(-1), hi.reshape(-1), lo.reshape(-1))
+    return BF16Array(hi), lo
+
+
+def join_float32(hi, lo) -> np.ndarray:
+    """The exact float32 values of a Split pair (hi: BF16Array, lo: uint16 of its shape): a new array."""
+    if not isinstance(hi, BF16Array):
+        raise TypeError(f"hi must be a BF16Array, got {type(hi).__name__}")
+    if not isinstance(lo, np.ndarray) or lo.dtype != np.uint16 or lo.shape != hi.shape:
+        raise TypeError(f"lo must be a uint16 numpy.ndarray of shape {hi.shape}")
+    x = np.empty(hi.shape, np.float32)
+    if x.size:
+        _join(np.ascontiguousarray(hi.bits).reshape(-1), np.ascontiguousarray(lo).reshape(-1), x.reshape(-1))
+    return x

@@ -1,4 +1,6 @@
-"""Dense optimizer updates: `sgd_` is the in-place SGD step for MLP parameters.
+"""Dense optimizer updates: `sgd_` is the in-place SGD step for MLP parameters, `split_sgd_` the
+same step on a bf16 Split pair (the weight's bf16 high halves and uint16 low halves): the halves
+are rejoined to the exact fp32 weight, updated in fp32 and split again, in one pass.
 
 The BF16 Split-SGD table of the embeddings is ops/embedding/split_bf16.py.
 """
@@ -9,8 +11,10 @@ import numpy as np
 from numba import prange
 
 from ..codegen import jit
+from ..codegen.bf16 import as_float32, as_uint32
 from ..codegen.knobs import knob
 from . import _check
+from .bf16 import BF16Array
 
 # below this many elements a parallel region costs more than it saves
 _PARALLEL_MIN = 1 << 16
@@ -26,6 +30,26 @@ def _sgd_parallel(p, g, lr):
 def _sgd_serial(p, g, lr):
     for i in range(p.shape[0]):
         p[i] -= lr * g[i]
+
+
+@jit(inline="always")
+def _split_sgd_at(hi, lo, g, lr, i):
+    w = as_float32((np.uint32(hi[i]) << np.uint32(16)) | np.uint32(lo[i]))
+    bits = as_uint32(w - lr * g[i])
+    hi[i] = np.uint16(bits >> np.uint32(16))
+    lo[i] = np.uint16(bits & np.uint32(0xFFFF))
+
+
+@jit(parallel=True)
+def _split_sgd_parallel(hi, lo, g, lr):
+    for i in prange(g.shape[0]):
+        _split_sgd_at(hi, lo, g, lr, i)
+
+
+@jit()
+def _split_sgd_serial(hi, lo, g, lr):
+    for i in range(g.shape[0]):
+        _split_sgd_at(hi, lo, g, lr, i)
 
 
 def _sgd_search(problem, quick, timer):
@@ -66,3 +90,22 @@ def sgd_(param, grad, lr):
         parallel = p.shape[0] >= SGD_PARALLEL.choose((numba.get_num_threads(),))["min_size"]
         (_sgd_parallel if parallel else _sgd_serial)(p, g, np.float32(lr))
     return param
+
+
+def split_sgd_(hi, lo, grad, lr):
+    """In place on a bf16 Split pair: w -= lr * grad with w the exact fp32 weight that hi (BF16Array,
+    its high halves) and lo (uint16 ndarray, its low halves) hold; grad float32 of their shape.
+    The fp32 result is split again: hi stays w truncated to bf16. Returns (hi, lo)."""
+    if not isinstance(hi, BF16Array):
+        raise TypeError(f"hi must be a BF16Array (the bf16 high halves), got {type(hi).__name__}")
+    hb = _check.float_array("hi", hi.bits, copy=False, writeable=True, dtype=np.uint16)
+    lo = _check.float_array("lo", lo, shape=hb.shape, copy=False, writeable=True, dtype=np.uint16)
+    grad = _check.float_array("grad", grad, shape=hb.shape)
+    lr = _check.finite("lr", lr)
+    _check.no_overlap("lo", lo, hb, what="hi")
+    _check.no_overlap("grad", grad, hb, lo, what="hi or lo")
+    if hb.size:
+        h, l, g = hb.reshape(-1), lo.reshape(-1), grad.reshape(-1)
+        parallel = h.shape[0] >= SGD_PARALLEL.choose((numba.get_num_threads(),))["min_size"]
+        (_split_sgd_parallel if parallel else _split_sgd_serial)(h, l, g, np.float32(lr))
+    return hi, lo

@@ -358,6 +358,14 @@ def sgd_(param, grad, lr):
     return param
 
 
+def split_sgd_(hi, lo, grad, lr):
+    """In place on a Split pair (hi: BF16Array, lo: uint16): the joined fp32 weight takes sgd_, then
+    is split again. Returns (hi, lo)."""
+    w = sgd_(bf16_join(hi.bits, lo), grad, lr)
+    hi.bits[...], lo[...] = bf16_split(w)
+    return hi, lo
+
+
 # --------------------------------------------------------------------------- quantized embedding bags
 
 
