@@ -77,6 +77,8 @@ def test_cache_override_parses_and_keys_entries_apart(monkeypatch):
     for bad in ("l4=1M", "l2=lots", "haswell"):
         with pytest.raises(ValueError, match="JITKERN_CACHE_SIZES"):
             parse_cache_sizes(bad)
+    monkeypatch.delenv("JITKERN_CACHE_SIZES", raising=False)  # the host as it is, whatever the suite runs under
+    monkeypatch.delenv("JITKERN_ISA", raising=False)
     host = host_target()
     host_key = host.key
     monkeypatch.setenv("JITKERN_CACHE_SIZES", "l2=512K")
