@@ -41,6 +41,9 @@ from ._validate import check_bag_args, check_bags, check_table, raise_bag_error,
 SERIAL_WORK = 1 << 14  # nnz * D up to which a call runs on the calling thread even with several threads
 WIDE_ROWS = 64         # wider rows run the parallel-compiled kernel even on one thread (see _parallel_heuristic)
 _CHUNKS = 64           # bag chunks of the parallel forward
+# strict IEEE (no contraction of a multiply and an add into an FMA): whether LLVM contracts depends
+# on the ISA and the widening scheme, and the pooled sums' last bits would with it
+_STRICT = frozenset()
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -50,7 +53,7 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM):
     """pool(weight, bags, out, b0, b1) for compile-time width DC (0: runtime D), prefetch distance PF
     and locality LOC, bf16 widening scheme SCHEME and ITEM bytes per table element."""
 
-    @jit(inline="always")
+    @jit(inline="always", fastmath=_STRICT)
     def pool_bag(acc, weight, bags, s, e, D, weighted):
         """acc[0] = sum of psw[j] * weight[indices[j]] over j in [s, e), prefetching PF entries ahead."""
         indices, psw = bags[0], bags[2]
@@ -61,7 +64,7 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM):
             prefetch_row(weight, indices[min(u + np.uint64(PF), far)], D * ITEM, tail, LOC)
             add_row(acc, 0, weight, indices[u], psw[u] if weighted else np.float32(1.0), D, DC, j == s, SCHEME)
 
-    @jit(inline="always")
+    @jit(inline="always", fastmath=_STRICT)
     def pool(weight, bags, out, b0, b1):
         """out[b] = the pooled rows of bag b, for the bags b0 <= b < b1 (one work unit of the forward)."""
         indices, offsets, psw, mean, last = bags
@@ -84,7 +87,7 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM):
 
 
 def _parallel_kernel(pool):
-    @jit(parallel=True)
+    @jit(parallel=True, fastmath=_STRICT)
     def forward(weight, bags, nchunks, out):
         # weight: (R, D) float32 or bf16 bits uint16, out: (B, D) float32; contiguous chunks of
         # bags, spread over the threads by prange (independent of the thread count)
@@ -99,11 +102,11 @@ def _parallel_kernel(pool):
 
 
 def _serial_kernel(pool):
-    @jit()
+    @jit(fastmath=_STRICT)
     def pool_all(weight, bags, out):
         pool(weight, bags, out, 0, out.shape[0])
 
-    @jit()
+    @jit(fastmath=_STRICT)
     def forward_serial(weight, bags, nchunks, out):
         # the same on the calling thread: starting a parallel region costs more than a small call
         code, bad, value = validate_bags(bags, out.shape[0], weight.shape[0])
