@@ -1,0 +1,134 @@
+"""Low-rank cross layer of DCNv2 (TorchRec's LowRankCrossNet, DLRM-DCNv2's interaction):
+
+    u = xl @ v.T;  x_next = x0 * (u @ w.T + b) + xl      v: (r, n), w: (n, r), b: (n,)
+
+Forward: two GEMMs, the bias in the second one's epilogue (ops.gemm), then one elementwise pass
+x0 * y + xl, in place over y. Backward: y + b is recomputed by one GEMM (the layer keeps only u,
+r of n columns), then one fused pass over the (B, n) arrays gives dx0 = dx_next * (y + b) (in
+place over y, or added into a running sum), dy = dx_next * x0, db = column sums of dy, and
+dxl's first term dx_next; then du = dy @ w, dw = dy.T @ u, dv = du.T @ xl, and dxl += du @ v
+accumulates in the last GEMM (beta = 1). The elementwise passes are numba loops over row chunks,
+since the GEMM's register-tile epilogue takes only bias and ReLU.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ..codegen import jit
+from . import _check
+from .gemm import gemm, linear_forward
+
+_CHUNKS = 16  # row chunks of the fused passes: a fixed count, so db's sums never depend on threads
+
+
+@jit(parallel=True)
+def _combine(x0, xl, y):
+    """y = x0 * y + xl, element-wise; all (B, n) float32."""
+    B, n = y.shape
+    for c in prange(_CHUNKS):
+        for i in range(c * B // _CHUNKS, (c + 1) * B // _CHUNKS):
+            for j in range(n):
+                y[i, j] = x0[i, j] * y[i, j] + xl[i, j]
+
+
+@jit(inline="always")
+def _grad_row(i, arrays, acc, flags):
+    """Row i of the fused backward pass (see _grad); acc: this chunk's float64 column sums of dy."""
+    dxn, x0, yb, dy, dxl, dx0 = arrays
+    accumulate, copy = flags
+    for j in range(dxn.shape[1]):
+        d = dxn[i, j]
+        g = d * x0[i, j]
+        dy[i, j] = g
+        acc[j] += np.float64(g)
+        if accumulate:
+            dx0[i, j] += d * yb[i, j]
+        else:
+            yb[i, j] = d * yb[i, j]
+        if copy:
+            dxl[i, j] = d
+
+
+@jit(parallel=True)
+def _grad(arrays, db, flags):
+    """arrays = (dx_next, x0, yb, dy, dxl, dx0), all (B, n) float32: dy = dx_next * x0; dx0 +=
+    dx_next * yb (flags[0], accumulate) or yb = dx_next * yb (in place); dxl = dx_next (flags[1]);
+    db (n,) = column sums of dy, each chunk's rows in order (float64), then the chunks in order."""
+    B, n = arrays[0].shape
+    part = np.zeros((_CHUNKS, n), np.float64)
+    for c in prange(_CHUNKS):
+        acc = part[c]
+        for i in range(c * B // _CHUNKS, (c + 1) * B // _CHUNKS):
+            _grad_row(i, arrays, acc, flags)
+    for j in range(n):
+        s = 0.0
+        for c in range(_CHUNKS):
+            s += part[c, j]
+        db[j] = s
+
+
+def _check_layer(x0, xl, v, w, b):
+    """The layer's arrays checked: x0, xl (B, n), v (r, n), w (n, r), b (n,) float32."""
+    x0 = _check.float_array("x0", x0, ndim=2)
+    B, n = x0.shape
+    xl = _check.float_array("xl", xl, shape=(B, n))
+    v = _check.float_array("v", v, ndim=2)
+    if v.shape[1] != n:
+        raise ValueError(f"v must have shape (r, {n}) for x0 {x0.shape}, got {v.shape}")
+    w = _check.float_array("w", w, shape=(n, v.shape[0]))
+    b = _check.float_array("b", b, shape=(n,))
+    return x0, xl, v, w, b
+
+
+def cross_layer_forward(x0, xl, v, w, b, *, out=None, out_u=None):
+    """(x_next, u): u = xl @ v.T, x_next = x0 * (u @ w.T + b) + xl.
+
+    x0, xl: (B, n) float32, v: (r, n), w: (n, r), b: (n,) -> x_next (B, n), u (B, r);
+    out, out_u: caller-given outputs (reused buffers)."""
+    x0, xl, v, w, b = _check_layer(x0, xl, v, w, b)
+    B, n = x0.shape
+    r = v.shape[0]
+    if out_u is not None:
+        _check.output("out_u", out_u, (B, r), x0, xl, v, w, b)
+    if out is not None:
+        _check.output("out", out, (B, n), x0, xl, v, w, b, out_u)
+    u = linear_forward(xl, v, out=out_u)
+    y = linear_forward(u, w, b, out=out)
+    if y.size:
+        _combine(x0, xl, y)
+    return y, u
+
+
+def cross_layer_backward(dx_next, x0, xl, u, v, w, b, *, accumulate_dx0=None, out_dxl=None):
+    """(dx0, dxl, dv, dw, db): the gradients of cross_layer_forward given dx_next (B, n) and the
+    forward's u (B, r); y + b is recomputed from u, so the layer's bias b (n,) is needed too.
+
+    accumulate_dx0: a (B, n) float32 array dx0 is added into (and returned as dx0), for the
+    cross network's running sum over layers. out_dxl: a caller-given output for dxl; it may be
+    dx_next itself (its values are read before dxl is written)."""
+    x0, xl, v, w, b = _check_layer(x0, xl, v, w, b)
+    B, n = x0.shape
+    r = v.shape[0]
+    dx_next = _check.float_array("dx_next", dx_next, shape=(B, n))
+    u = _check.float_array("u", u, shape=(B, r))
+    inputs = (x0, xl, u, v, w, b)
+    if accumulate_dx0 is not None:
+        _check.output("accumulate_dx0", accumulate_dx0, (B, n), dx_next, *inputs)
+    if out_dxl is not None:
+        _check.output("out_dxl", out_dxl, (B, n), *inputs, accumulate_dx0)
+        if out_dxl is not dx_next:
+            _check.no_overlap("out_dxl", out_dxl, dx_next, what="dx_next (unless it is dx_next itself)")
+    yb = linear_forward(u, w, b)                        # becomes dx0 in place unless accumulated
+    dy = np.empty((B, n), np.float32)
+    dxl = np.empty((B, n), np.float32) if out_dxl is None else out_dxl
+    dx0 = yb if accumulate_dx0 is None else accumulate_dx0
+    db = np.zeros(n, np.float32)
+    if B and n:
+        _grad((dx_next, x0, yb, dy, dxl, dx0), db, (accumulate_dx0 is not None, dxl is not dx_next))
+    du = gemm(dy, w)                                    # (B, r)
+    dw = gemm(dy, u, trans_a=True)                      # (n, r)
+    dv = gemm(du, xl, trans_a=True)                     # (r, n)
+    if B and n:
+        gemm(du, v, out=dxl, beta=1.0)                  # dxl = dx_next + du @ v
+    return dx0, dxl, dv, dw, db
