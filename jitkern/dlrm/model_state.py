@@ -14,17 +14,25 @@ class ModelState:
     def parameter_bytes(self) -> int:
         """Bytes of the parameters this process holds (a bf16 split table counts both halves)."""
         dense = sum(a.nbytes for a in self.bot_w + self.bot_b + self.top_w + self.top_b)
+        dense += sum(a.nbytes for a in self.cross_v + self.cross_w + self.cross_b)
         return dense + sum(_table_nbytes(w) for w in self.emb if w is not None) + \
             sum(v.nbytes for v in self.pool_w or ())
 
     def mlp_state_dict(self) -> dict:
-        """name -> live array of every MLP weight and bias."""
+        """name -> live array of every dense parameter: MLP weights and biases, and between the bottom
+        and top MLPs the cross network's (dcn: cross.{l}.v (r, n), .w (n, r), .b (n,), torch's layout)."""
         sd = {}
         for prefix, ws, bs in (("bot", self.bot_w, self.bot_b), ("top", self.top_w, self.top_b)):
+            if prefix == "top":
+                sd.update(self._cross_arrays())
             for l, (w, b) in enumerate(zip(ws, bs)):
                 sd[f"{prefix}.{l}.weight"] = w
                 sd[f"{prefix}.{l}.bias"] = b
         return sd
+
+    def _cross_arrays(self) -> dict:
+        return {f"cross.{l}.{k}": a for l, vwb in enumerate(zip(self.cross_v, self.cross_w, self.cross_b))
+                for k, a in zip("vwb", vwb)}
 
     def _table_arrays(self) -> dict:
         """name -> live array of every table parameter (fp32 tables; bf16 ones are left out)."""
@@ -87,6 +95,8 @@ class ModelState:
         shapes.update({k: a.shape for k, a in self._table_arrays().items()})
         shapes = {k: shapes[k] for k in sorted(shapes, key=_emb_order)}
         for prefix, sizes in (("bot", self.bottom_mlp), ("top", self.top_mlp)):
+            if prefix == "top":
+                shapes.update({k: a.shape for k, a in self._cross_arrays().items()})
             for l, (n, m) in enumerate(zip(sizes[:-1], sizes[1:])):
                 shapes[f"{prefix}.{l}.weight"] = (m, n)
                 shapes[f"{prefix}.{l}.bias"] = (m,)
@@ -139,10 +149,12 @@ class ModelState:
         self.emb = [ops.quantize_rowwise(w, bits) for w in self.emb]
 
 
-def arch_extras(*, optimizer="sgd", weighted_pooling=None, qr=None, md_dims=None) -> dict:
+def arch_extras(*, optimizer="sgd", weighted_pooling=None, qr=None, md_dims=None, dcn=None) -> dict:
     """The checkpoint architecture's entries for the reference's options that shape arrays (none when
-    all are off, so plain checkpoints read as before)."""
+    all are off, so plain checkpoints read as before); dcn: (layers, rank) of a dcn model."""
     out = {}
+    if dcn is not None:
+        out["dcn_layers"], out["dcn_rank"] = int(dcn[0]), int(dcn[1])
     if optimizer != "sgd":
         out["optimizer"] = optimizer
     if weighted_pooling == "learned":
