@@ -54,16 +54,17 @@ def test_forward_matches_reference(p):
     assert np.all(np.abs(x_next - want_x) <= (n + r + 8) * EPS32 * abs_x)
 
 
-@given(layers(), st.booleans(), st.booleans())
-def test_backward_matches_reference(p, accumulate, in_place):
+@given(layers(), st.booleans(), st.booleans(), st.booleans())
+def test_backward_matches_reference(p, accumulate, in_place, keep_y):
     x0, xl, v, w, b, d = p
     B, n = x0.shape
     r = v.shape[0]
-    u = reference.cross_layer_forward(x0, xl, v, w, b)[1]
+    y = np.empty((B, n), np.float32) if keep_y else None
+    u = cross_layer_forward(x0, xl, v, w, b, out_y=y)[1]
     acc = np.random.default_rng(1).standard_normal((B, n)).astype(np.float32) if accumulate else None
     acc0 = None if acc is None else acc.copy()
     dxn = np.array(d, order="C")  # a copy: it may be overwritten (out_dxl)
-    kw = dict(accumulate_dx0=acc, out_dxl=dxn if in_place else None)
+    kw = dict(y=y, accumulate_dx0=acc, out_dxl=dxn if in_place else None)
     got = cross_layer_backward(dxn, x0, xl, u, v, w, b, **kw)
     want = reference.cross_layer_backward(d, x0, xl, u, v, w, b, accumulate_dx0=acc0)
     absd = reference.cross_layer_backward(*(np.abs(a) for a in (d, x0, xl, u, v, w, b)),
@@ -75,6 +76,8 @@ def test_backward_matches_reference(p, accumulate, in_place):
         assert np.all(np.abs(g - wv) <= k * EPS32 * a + 1e-30), name
     if accumulate:
         assert got[0] is acc
+    elif keep_y:
+        assert got[0] is y  # consumed: dx0 written over it
     if in_place:
         assert got[1] is dxn
 
@@ -82,13 +85,18 @@ def test_backward_matches_reference(p, accumulate, in_place):
 def test_forward_and_backward_into_given_outputs():
     rng = np.random.default_rng(5)
     x0, xl, v, w, b, d = _arrays(rng, 19, 40, 7)
-    out, out_u = np.empty((19, 40), np.float32), np.empty((19, 7), np.float32)
+    out, out_u, out_y = np.empty((19, 40), np.float32), np.empty((19, 7), np.float32), np.empty((19, 40), np.float32)
     x_next, u = cross_layer_forward(x0, xl, v, w, b, out=out, out_u=out_u)
     assert x_next is out and u is out_u
     want_x, want_u = cross_layer_forward(x0, xl, v, w, b)
     np.testing.assert_array_equal(out, want_x)
     np.testing.assert_array_equal(out_u, want_u)
+    kept = cross_layer_forward(x0, xl, v, w, b, out_y=out_y)  # the same results, y + b kept
+    np.testing.assert_array_equal(kept[0], want_x)
+    np.testing.assert_array_equal(kept[1], want_u)
     plain = cross_layer_backward(d, x0, xl, u, v, w, b)
+    for g, p in zip(cross_layer_backward(d, x0, xl, u, v, w, b, y=out_y), plain):
+        np.testing.assert_array_equal(g, p)  # the kept y + b is the recomputed one, bit for bit
     dxl = np.empty_like(d)
     acc = np.zeros_like(d)
     got = cross_layer_backward(d, x0, xl, u, v, w, b, accumulate_dx0=acc, out_dxl=dxl)
@@ -128,6 +136,8 @@ def test_argument_checks():
         (ValueError, "out must have shape", dict(out=np.empty((4, 5), np.float32))),
         (ValueError, "out must not overlap", dict(out=x0)),
         (ValueError, "out_u must have shape", dict(out_u=np.empty((4, 4), np.float32))),
+        (ValueError, "out_y must not overlap", dict(out_y=xl)),
+        (ValueError, "out must not overlap", dict(out=(shared := np.empty((4, 6), np.float32)), out_y=shared)),
     ]
     args = dict(x0=x0, xl=xl, v=v, w=w, b=b)
     for exc, match, change in bad_fwd:
@@ -139,6 +149,9 @@ def test_argument_checks():
     bad_bwd = [
         (ValueError, "dx_next must have shape", lambda: cross_layer_backward(d[:3], x0, xl, u, v, w, b)),
         (ValueError, "u must have shape", lambda: cross_layer_backward(d, x0, xl, u[:, :2], v, w, b)),
+        (ValueError, "y must have shape", lambda: cross_layer_backward(d, x0, xl, u, v, w, b, y=np.empty((4, 5),
+                                                                                                       np.float32))),
+        (ValueError, "y must not overlap", lambda: cross_layer_backward(d, x0, xl, u, v, w, b, y=x0)),
         (TypeError, "u", lambda: cross_layer_backward(d, x0, xl, u.astype(np.float64), v, w, b)),
         (ValueError, "accumulate_dx0 must not overlap", lambda: cross_layer_backward(d, x0, xl, u, v, w, b,
                                                                                      accumulate_dx0=d)),

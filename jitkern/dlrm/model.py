@@ -376,10 +376,13 @@ class DLRM(ModelState):
             return z
 
     def _cross_forward(self, ctx: StepContext, x0):
-        """The cross network on x0 (b, n): each layer's output and u into the step's buffers."""
+        """The cross network on x0 (b, n): each layer's output, u and (training) y + b into the
+        step's buffers."""
         ctx.cross_x0 = xl = x0
-        for v, w, b, out, out_u in zip(self.cross_v, self.cross_w, self.cross_b, ctx.buf.cross_x, ctx.buf.cross_u):
-            xl, _ = ops.cross_layer_forward(x0, xl, v, w, b, out=out, out_u=out_u)
+        buf = ctx.buf
+        for l, (v, w, b) in enumerate(zip(self.cross_v, self.cross_w, self.cross_b)):
+            keep = buf.cross_y[l] if ctx.lr is not None else None
+            xl, _ = ops.cross_layer_forward(x0, xl, v, w, b, out=buf.cross_x[l], out_u=buf.cross_u[l], out_y=keep)
         return xl
 
     def _cross_backward(self, ctx: StepContext, dz):
@@ -393,8 +396,8 @@ class DLRM(ModelState):
         for l in range(L - 1, -1, -1):
             xl = x0 if l == 0 else ctx.buf.cross_x[l - 1]
             dx0, d, dv, dw, db = ops.cross_layer_backward(d, x0, xl, ctx.buf.cross_u[l], self.cross_v[l],
-                                                          self.cross_w[l], self.cross_b[l], accumulate_dx0=dx0,
-                                                          out_dxl=d)
+                                                          self.cross_w[l], self.cross_b[l], y=ctx.buf.cross_y[l],
+                                                          accumulate_dx0=dx0, out_dxl=d)
             grads[l] = (dv, dw, db)
         ctx.cross_grads = grads
         return np.add(dx0, d, out=dx0)                 # x0 is layer 0's xl too

@@ -3,14 +3,17 @@
     u = xl @ v.T;  x_next = x0 * (u @ w.T + b) + xl      v: (r, n), w: (n, r), b: (n,)
 
 Forward: two GEMMs, the bias in the second one's epilogue (ops.gemm), then one elementwise pass
-x0 * y + xl, in place over y. Backward: y + b is recomputed by one GEMM (the layer keeps only u,
-r of n columns), then one fused pass over the (B, n) arrays gives dx0 = dx_next * (y + b) (in
-place over y, or added into a running sum), dy = dx_next * x0, db = column sums of dy, and
-dxl's first term dx_next; then du = dy @ w, dw = dy.T @ u, dv = du.T @ xl, and dxl += du @ v
-accumulates in the last GEMM (beta = 1). The elementwise passes are numba loops over row chunks,
-since the GEMM's register-tile epilogue takes only bias and ReLU.
+x0 * (y + b) + xl, in place over y + b, or into x_next while y + b is kept for the backward
+(out_y). Backward: y + b is the kept one, or recomputed by one GEMM from u; one fused pass over
+the (B, n) arrays gives dx0 = dx_next * (y + b) (over y + b, or added into a running sum),
+dy = dx_next * x0, db = column sums of dy, and dxl's first term dx_next; then du = dy @ w,
+dw = dy.T @ u, dv = du.T @ xl, and dxl += du @ v accumulates in the last GEMM (beta = 1). The
+elementwise passes are numba loops over row chunks, since the GEMM's register-tile epilogue
+takes only bias and ReLU.
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 from numba import prange
@@ -23,13 +26,24 @@ _CHUNKS = 16  # row chunks of the fused passes: a fixed count, so db's sums neve
 
 
 @jit(parallel=True)
-def _combine(x0, xl, y):
-    """y = x0 * y + xl, element-wise; all (B, n) float32."""
+def _combine(x0, xl, y, out):
+    """out = x0 * y + xl, element-wise (out may be y); all (B, n) float32."""
     B, n = y.shape
     for c in prange(_CHUNKS):
         for i in range(c * B // _CHUNKS, (c + 1) * B // _CHUNKS):
             for j in range(n):
-                y[i, j] = x0[i, j] * y[i, j] + xl[i, j]
+                out[i, j] = x0[i, j] * y[i, j] + xl[i, j]
+
+
+_SCRATCH = threading.local()
+
+
+def _dy_buffer(size: int) -> np.ndarray:
+    """This thread's buffer for dy, consumed before cross_layer_backward returns."""
+    buf = getattr(_SCRATCH, "dy", None)
+    if buf is None or buf.size < size:
+        buf = _SCRATCH.dy = np.empty(max(size, 2 * (0 if buf is None else buf.size)), np.float32)
+    return buf[:size]
 
 
 @jit(inline="always")
@@ -81,28 +95,36 @@ def _check_layer(x0, xl, v, w, b):
     return x0, xl, v, w, b
 
 
-def cross_layer_forward(x0, xl, v, w, b, *, out=None, out_u=None):
+def cross_layer_forward(x0, xl, v, w, b, *, out=None, out_u=None, out_y=None):
     """(x_next, u): u = xl @ v.T, x_next = x0 * (u @ w.T + b) + xl.
 
     x0, xl: (B, n) float32, v: (r, n), w: (n, r), b: (n,) -> x_next (B, n), u (B, r);
-    out, out_u: caller-given outputs (reused buffers)."""
+    out, out_u: caller-given outputs (reused buffers); out_y: a (B, n) buffer that keeps
+    u @ w.T + b for cross_layer_backward(y=...), which then need not recompute it."""
     x0, xl, v, w, b = _check_layer(x0, xl, v, w, b)
     B, n = x0.shape
     r = v.shape[0]
     if out_u is not None:
         _check.output("out_u", out_u, (B, r), x0, xl, v, w, b)
+    if out_y is not None:
+        _check.output("out_y", out_y, (B, n), x0, xl, v, w, b, out_u)
     if out is not None:
-        _check.output("out", out, (B, n), x0, xl, v, w, b, out_u)
+        _check.output("out", out, (B, n), x0, xl, v, w, b, out_u, out_y)
     u = linear_forward(xl, v, out=out_u)
-    y = linear_forward(u, w, b, out=out)
+    if out_y is None:
+        y = x_next = linear_forward(u, w, b, out=out)
+    else:
+        y = linear_forward(u, w, b, out=out_y)
+        x_next = np.empty((B, n), np.float32) if out is None else out
     if y.size:
-        _combine(x0, xl, y)
-    return y, u
+        _combine(x0, xl, y, x_next)
+    return x_next, u
 
 
-def cross_layer_backward(dx_next, x0, xl, u, v, w, b, *, accumulate_dx0=None, out_dxl=None):
+def cross_layer_backward(dx_next, x0, xl, u, v, w, b, *, y=None, accumulate_dx0=None, out_dxl=None):
     """(dx0, dxl, dv, dw, db): the gradients of cross_layer_forward given dx_next (B, n) and the
-    forward's u (B, r); y + b is recomputed from u, so the layer's bias b (n,) is needed too.
+    forward's u (B, r); y + b is recomputed from u (so the layer's bias b (n,) is needed too)
+    unless given as y (the forward's out_y), which is then consumed: dx0 is written over it.
 
     accumulate_dx0: a (B, n) float32 array dx0 is added into (and returned as dx0), for the
     cross network's running sum over layers. out_dxl: a caller-given output for dxl; it may be
@@ -113,14 +135,16 @@ def cross_layer_backward(dx_next, x0, xl, u, v, w, b, *, accumulate_dx0=None, ou
     dx_next = _check.float_array("dx_next", dx_next, shape=(B, n))
     u = _check.float_array("u", u, shape=(B, r))
     inputs = (x0, xl, u, v, w, b)
+    if y is not None:
+        _check.output("y", y, (B, n), dx_next, *inputs)
     if accumulate_dx0 is not None:
-        _check.output("accumulate_dx0", accumulate_dx0, (B, n), dx_next, *inputs)
+        _check.output("accumulate_dx0", accumulate_dx0, (B, n), dx_next, *inputs, y)
     if out_dxl is not None:
-        _check.output("out_dxl", out_dxl, (B, n), *inputs, accumulate_dx0)
+        _check.output("out_dxl", out_dxl, (B, n), *inputs, accumulate_dx0, y)
         if out_dxl is not dx_next:
             _check.no_overlap("out_dxl", out_dxl, dx_next, what="dx_next (unless it is dx_next itself)")
-    yb = linear_forward(u, w, b)                        # becomes dx0 in place unless accumulated
-    dy = np.empty((B, n), np.float32)
+    yb = linear_forward(u, w, b) if y is None else y    # becomes dx0 in place unless accumulated
+    dy = _dy_buffer(B * n).reshape(B, n)
     dxl = np.empty((B, n), np.float32) if out_dxl is None else out_dxl
     dx0 = yb if accumulate_dx0 is None else accumulate_dx0
     db = np.zeros(n, np.float32)

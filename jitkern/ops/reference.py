@@ -366,7 +366,7 @@ def sigmoid_backward(dy, y):
 # --------------------------------------------------------------------------- low-rank cross layer
 
 
-def cross_layer_forward(x0, xl, v, w, b, *, out=None, out_u=None):
+def cross_layer_forward(x0, xl, v, w, b, *, out=None, out_u=None, out_y=None):
     """(x_next, u): u = xl @ v.T, x_next = x0 * (u @ w.T + b) + xl; float64 inside."""
     x0, xl = np.asarray(x0, np.float64), np.asarray(xl, np.float64)
     u = xl @ np.asarray(v, np.float64).T
@@ -374,7 +374,7 @@ def cross_layer_forward(x0, xl, v, w, b, *, out=None, out_u=None):
     return (x0 * y + xl).astype(np.float32), u.astype(np.float32)
 
 
-def cross_layer_backward(dx_next, x0, xl, u, v, w, b, *, accumulate_dx0=None, out_dxl=None):
+def cross_layer_backward(dx_next, x0, xl, u, v, w, b, *, y=None, accumulate_dx0=None, out_dxl=None):
     """(dx0, dxl, dv, dw, db) of cross_layer_forward; float64 inside."""
     d, x0, xl, u = (np.asarray(a, np.float64) for a in (dx_next, x0, xl, u))
     v, w, b = (np.asarray(a, np.float64) for a in (v, w, b))
