@@ -324,3 +324,29 @@ def test_three_adagrad_steps_equal_pytorch():
     theirs = tm.state()
     for name, w in m.state_dict().items():
         assert _rel(w, theirs[name].astype(np.float64)) <= 1e-5, name
+
+
+def test_mlperf_dcn_config_batches_and_bench_baseline():
+    """mlperf-dcn: the MLPerf multi-hot sizes (214 lookups per sample), element-wise Adagrad; the
+    bench's PyTorch baseline on a small config of the same kind takes the same first step."""
+    from jitkern.dlrm.configs import CONFIGS, MLPERF_MULTI_HOT, ModelConfig
+    from jitkern.dlrm.synth import config_batches
+    cfg = CONFIGS["mlperf-dcn"]
+    assert sum(cfg.pooling) == 214 and cfg.pooling == MLPERF_MULTI_HOT
+    assert cfg.model_kwargs()["interaction"] == "dcn" and cfg.model_kwargs()["optimizer"] == "adagrad"
+    assert (cfg.model_kwargs()["dcn_layers"], cfg.model_kwargs()["dcn_rank"]) == (3, 512)
+    small = ModelConfig((300, 40, 7), 8, (4, 16, 8), (12, 1), interaction="dcn", multi_hot=(3, 1, 5),
+                        dcn_layers=2, dcn_rank=6, optimizer="adagrad")
+    batches = config_batches(small, 32, 2)
+    b = batches[0]
+    assert [len(i) for i in b.indices] == [96, 32, 160] and b.offsets.shape == (3, 32)
+    np.testing.assert_array_equal(b.offsets[2], np.arange(32) * 5)
+    assert all(i.max() < r for i, r in zip(b.indices, small.sizes))
+    if torch is None:
+        return
+    from jitkern.bench.dlrm import LR, torch_step_fn
+    m = DLRM(**small.model_kwargs(), seed=0)
+    step = torch_step_fn(torch, m, batches)
+    theirs = [step() for _ in range(2)]
+    ours = [m.train_step(x.dense, x.offsets, x.indices, x.labels, LR) for x in batches]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
