@@ -155,9 +155,9 @@ class DLRM(ModelState):
         plain = self.table_opt.name == "sgd" and self.weighted_pooling is None and self.qr is None and self.md_dims is None
         if self.embedding_precision != "fp32" and not plain:
             raise ValueError("bf16 Split-SGD tables take SGD only, without qr, md or weighted pooling")
-        if self.comm is not None and not (plain and self.dense_opt.name == "sgd" and self.interaction != "dcn"):
-            raise NotImplementedError("under MPI the DLRM trains plain tables by SGD; the optimizers, qr, md, "
-                                      "weighted pooling and dcn run in one process")
+        if self.comm is not None and not (plain and self.dense_opt.name == "sgd"):
+            raise NotImplementedError("under MPI the DLRM trains plain tables by SGD; the optimizers, qr, md and "
+                                      "weighted pooling run in one process")
 
     @property
     def feature_dim(self) -> int:
