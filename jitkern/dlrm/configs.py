@@ -51,7 +51,8 @@ class ModelConfig:
 
     def workload(self, batch: int, threads=(1,), itemsize: int = 4) -> Workload:
         return dlrm_workload(self.sizes, self.dim, self.bottom, self.top, batch, threads,
-                             pooling=self.lookups, interaction=self.interaction, itemsize=itemsize)
+                             pooling=self.lookups, interaction=self.interaction, itemsize=itemsize,
+                             cross=(self.dcn_layers, self.dcn_rank) if self.interaction == "dcn" else None)
 
 
 CONFIGS = {
@@ -80,10 +81,13 @@ def interaction_width(num_tables: int, dim: int, interaction: str, self_interact
 
 
 def dlrm_workload(sizes, dim, bottom, top, batch, threads=(1,), *, pooling=1, interaction="dot",
-                  self_interaction=False, itemsize=4) -> Workload:
-    """The kernels' shapes in one DLRM step at `batch`: every MLP layer, table and the interaction."""
+                  self_interaction=False, itemsize=4, cross=None) -> Workload:
+    """The kernels' shapes in one DLRM step at `batch`: every MLP layer, table and the interaction;
+    cross: (layers, rank) of a dcn model, whose cross layers are two linear layers each (n -> r -> n)."""
     top_in = interaction_width(len(sizes), dim, interaction, self_interaction)
     layers = list(zip(bottom[:-1], bottom[1:])) + list(zip([top_in, *top[:-1]], top))
+    if cross is not None and cross[0] > 0:
+        layers += [(top_in, cross[1]), (cross[1], top_in)]
     return Workload(
         linears=tuple(dict.fromkeys((batch, int(i), int(o)) for i, o in layers)),
         tables=tuple(dict.fromkeys((int(r), int(dim), int(pooling), batch, itemsize) for r in sizes)),

@@ -9,18 +9,21 @@ the (B, n) arrays gives dx0 = dx_next * (y + b) (over y + b, or added into a run
 dy = dx_next * x0, db = column sums of dy, and dxl's first term dx_next; then du = dy @ w,
 dw = dy.T @ u, dv = du.T @ xl, and dxl += du @ v accumulates in the last GEMM (beta = 1). The
 elementwise passes are numba loops over row chunks, since the GEMM's register-tile epilogue
-takes only bias and ReLU.
+takes only bias and ReLU. The layer is two linear layers (V: n -> r, W: r -> n), so its GEMMs
+run with the linear ops' blocking knobs (their shapes are in the DLRM's workload, for tuning).
 """
 from __future__ import annotations
 
 import threading
 
+import numba
 import numpy as np
 from numba import prange
 
 from ..codegen import jit
 from . import _check
-from .gemm import gemm, linear_forward
+from .gemm import blocks_for, dw_variant, linear_forward, tile_shape
+from .gemm_kernel import gemm_into, transpose_into
 
 _CHUNKS = 16  # row chunks of the fused passes: a fixed count, so db's sums never depend on threads
 
@@ -80,6 +83,27 @@ def _grad(arrays, db, flags):
         for c in range(_CHUNKS):
             s += part[c, j]
         db[j] = s
+
+
+def _gemm(a, b, c, ta, variant, beta=0.0):
+    """c = op(a) @ b (+ c if beta), a transposed if ta, with the blocks of a linear op's variant."""
+    m, n = c.shape
+    k = a.shape[0] if ta else a.shape[1]
+    if m and n:
+        gemm_into(a, b, c, ta, False, blocks_for(variant, m, n, k, numba.get_num_threads()), beta=beta)
+    return c
+
+
+def _weight_grad(g, x):
+    """g.T @ x ((m, k) from g (B, m), x (B, k)) as linear_backward's dw: directly, or as the transpose
+    of x.T @ g where that fills the register tiles better."""
+    m, k = g.shape[1], x.shape[1]
+    mr, nr, _ = tile_shape()
+    out = np.empty((m, k), np.float32)
+    if dw_variant(m, k, mr, nr) == "linear_dw":
+        return _gemm(g, x, out, True, "linear_dw")
+    transpose_into(_gemm(x, g, np.empty((k, m), np.float32), True, "linear_dwt"), out)
+    return out
 
 
 def _check_layer(x0, xl, v, w, b):
@@ -150,9 +174,9 @@ def cross_layer_backward(dx_next, x0, xl, u, v, w, b, *, y=None, accumulate_dx0=
     db = np.zeros(n, np.float32)
     if B and n:
         _grad((dx_next, x0, yb, dy, dxl, dx0), db, (accumulate_dx0 is not None, dxl is not dx_next))
-    du = gemm(dy, w)                                    # (B, r)
-    dw = gemm(dy, u, trans_a=True)                      # (n, r)
-    dv = gemm(du, xl, trans_a=True)                     # (r, n)
-    if B and n:
-        gemm(du, v, out=dxl, beta=1.0)                  # dxl = dx_next + du @ v
+    # the W layer's (r -> n) input and weight gradients, then the V layer's (n -> r)
+    du = _gemm(dy, w, np.empty((B, r), np.float32), False, "linear_dx")           # (B, r)
+    dw = _weight_grad(dy, u)                                                      # (n, r)
+    dv = _weight_grad(du, xl)                                                     # (r, n)
+    _gemm(du, v, dxl, False, "linear_dx", beta=1.0)                               # dxl = dx_next + du @ v
     return dx0, dxl, dv, dw, db
