@@ -13,7 +13,8 @@ path and for any thread count. The occurrences are grouped (grouping.py):
   table, and the hash lists of a skewed batch would be walked entry by entry.
 
 Knobs: the prefetch distances of the update and the linking pass, and the number of indices
-from which the hashed update uses every thread.
+from which the hashed update uses every thread. The element-wise Adagrad (adagrad_exact.py) runs
+on these paths and knobs with its own row update (build(spec, exact=True), update(..., op)).
 """
 from __future__ import annotations
 
