@@ -41,6 +41,8 @@ def test_dense_adagrad_matches_reference(shape, seed, lr, eps):
     p = rng.standard_normal(shape).astype(np.float32)
     s = np.abs(rng.standard_normal(shape)).astype(np.float32) * (seed % 2)  # from zero, or a running state
     g = rng.standard_normal(shape).astype(np.float32)
+    if seed % 3 == 0 and g.ndim:  # a strided gradient: copied by the op
+        g = np.repeat(g, 2, axis=-1)[..., ::2]
     want_p, want_s = p.copy(), s.copy()
     reference.adagrad_(want_p, want_s, g, lr, eps)
     assert adagrad_(p, s, g, lr, eps) is p
@@ -129,6 +131,10 @@ def problems(draw, dims=st.sampled_from(GENERIC_D)):
     w = rng.standard_normal((num_rows, dim)).astype(np.float32)
     state = (0.5 + np.abs(rng.standard_normal((num_rows, dim)))).astype(np.float32)
     dout = rng.standard_normal((nbags, dim)).astype(np.float32)
+    if draw(st.booleans()):  # strided dout, indices and weights: the op copies them
+        dout = np.repeat(dout, 2, axis=1)[:, ::2]
+        idx = np.repeat(idx, 2)[::2]
+        psw = None if psw is None else np.repeat(psw, 2)[::2]
     kw = dict(mode=draw(st.sampled_from(["sum", "mean"])), per_sample_weights=psw, include_last_offset=last)
     return w, state, idx, off, dout, kw
 
