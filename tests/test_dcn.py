@@ -350,3 +350,20 @@ def test_mlperf_dcn_config_batches_and_bench_baseline():
     theirs = [step() for _ in range(2)]
     ours = [m.train_step(x.dense, x.offsets, x.indices, x.labels, LR) for x in batches]
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+
+
+def test_scaling_model_counts_the_cross_network():
+    """The cost model's dense stages and the allreduced parameters include a dcn model's cross layers."""
+    from jitkern.dlrm.configs import CONFIGS
+    from jitkern.dlrm.costmodel import dense_estimate
+    from jitkern.dlrm.scale import mlp_params
+    cfg = CONFIGS["mlperf-dcn"]
+    n = 27 * 128
+    est = dense_estimate(cfg.bottom, [n, *cfg.top], 1024, gflops=1.0, cross=(3, 512))
+    assert est["interaction"] == pytest.approx(6 * 2 * 1024 * n * 512 * 3 / 1e9)
+    assert "interaction" not in dense_estimate(cfg.bottom, [n, *cfg.top], 1024)
+    plain = CONFIGS["mlperf"]
+    top = [n, *cfg.top]
+    mlps = sum(a * b + b for sizes in (cfg.bottom, top) for a, b in zip(sizes[:-1], sizes[1:]))
+    assert mlp_params(cfg) == mlps + 3 * (2 * 512 + 1) * n
+    assert mlp_params(plain) < mlps

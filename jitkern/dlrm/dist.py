@@ -111,7 +111,7 @@ class DistributedDLRM(DLRM, comm_variant=True):
                 plan = plan_sharding(self.embedding_sizes, self.embedding_dim, req["pooling"], req["batch"],
                                      self.nranks, memory, req["network"] or Network(), kinds=req["sharding"],
                                      nodes=nodes, mlp_bytes=self._mlp_bytes(), top_layers=len(self.top_mlp) - 1,
-                                     dense=dense_estimate(self.bottom_mlp, self.top_mlp, b))
+                                     dense=dense_estimate(self.bottom_mlp, self.top_mlp, b, cross=self._cross_shape()))
             except ValueError as e:
                 err = str(e)
         plan, err = self.comm.bcast((plan, err), root=0)
@@ -130,6 +130,9 @@ class DistributedDLRM(DLRM, comm_variant=True):
             return None
         return ColumnGroup(self.comm.Create_group(self.comm.group.Incl(list(spec.ranks)), t), self.embedding_dim,
                            self.exchange.progress)
+
+    def _cross_shape(self):
+        return (self.dcn_layers, self.dcn_rank) if self.interaction == "dcn" else None
 
     def _mlp_bytes(self) -> int:
         """Bytes of the data-parallel parameters: the MLPs and the cross network (dcn)."""
