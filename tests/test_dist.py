@@ -92,7 +92,7 @@ def _mpiexec(n, script, *args, timeout=120):
 
 @needs_mpi
 @pytest.mark.parametrize("ranks, interaction, self_interaction, precision",
-                         [(2, "dot", 0, "fp32"), (3, "cat", 1, "fp32"), (2, "dot", 0, "bf16")])
+                         [(2, "dot", 0, "fp32"), (3, "cat", 1, "fp32"), (2, "dot", 0, "bf16"), (3, "dcn", 0, "fp32")])
 def test_ranks_match_one_process(ranks, interaction, self_interaction, precision):
     # B = 67 is prime: uneven slices for 2 and 3 ranks; 3 ranks own 1 or 2 tables (uneven);
     # a last step of B = 2 leaves a rank of 3 without rows

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jitkern import ops
 from jitkern.dlrm import DLRM
 from jitkern.dlrm.cli import main
 from jitkern.dlrm.tables import md_solver
@@ -18,7 +17,6 @@ from jitkern.dlrm.tables import md_solver
 DATA = Path(__file__).parent / "data"
 LOSSES = json.loads((DATA / "reference_losses.json").read_text())
 LINE = re.compile(r"Finished training it (\d+)/(\d+) of epoch (\d+), loss ([0-9.naif]+)")
-HAVE_ADAGRAD = hasattr(ops, "adagrad_") and hasattr(ops, "embedding_bag_adagrad_exact_")
 
 
 def _losses(argv, capsys):
@@ -38,8 +36,6 @@ CASES = [c for c in LOSSES["cases"] if c["returncode"] == 0]
 
 @pytest.mark.parametrize("case", CASES, ids=[c["flags"] for c in CASES])
 def test_reference_command_lines_print_the_reference_losses(case, capsys):
-    if "adagrad" in case["flags"] and not HAVE_ADAGRAD:
-        pytest.skip("the Adagrad kernels (ops.adagrad_, ops.embedding_bag_adagrad_exact_) are not in this tree")
     _same(_losses(LOSSES["base"].split() + case["flags"].split(), capsys), case["losses"])
 
 

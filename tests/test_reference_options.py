@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jitkern import ops
 from jitkern.ops import reference as R
 from jitkern.dlrm import DLRM, RandomData
 from jitkern.dlrm.cli import main
@@ -20,7 +19,6 @@ from jitkern.dlrm.train import Trainer, TrainOptions, load_checkpoint, save_chec
 DATA = Path(__file__).parent / "data"
 SIZES = [300, 500, 40]
 ARCH = dict(embedding_sizes=SIZES, embedding_dim=4, bottom_mlp=[13, 8, 4], top_mlp=[8, 1], seed=727)
-HAVE_ADAGRAD = hasattr(ops, "adagrad_") and hasattr(ops, "embedding_bag_adagrad_exact_")
 OPTIONS = [dict(), dict(loss="mse", loss_threshold=0.45, activation="sigmoid"), dict(qr=QR()),
            dict(qr=QR(30, 3, "concat"), bottom_mlp=[13, 8, 8]), dict(md_dims=[2, None, 3]),
            dict(weighted_pooling="learned"), dict(loss="wbce", loss_weights=(0.3, 0.7))]
@@ -61,7 +59,6 @@ def test_checkpoints_resume_exactly_with_the_reference_options(tmp_path, kw):
     assert not any(k.startswith("state.") for k in arrays)               # SGD keeps no state
 
 
-@pytest.mark.skipif(not HAVE_ADAGRAD, reason="the Adagrad kernels are not in this tree")
 @pytest.mark.parametrize("kw", OPTIMIZED, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_checkpoints_keep_the_optimizer_state(tmp_path, kw):
     arrays = _resume_exactly(tmp_path, kw)
@@ -121,8 +118,6 @@ def test_mlperf_logging_replays_the_reference(capsys):
     pytest.importorskip("mlperf_logging")
     rec = json.loads((DATA / "reference_losses_mlperf.json").read_text())
     for case in rec["cases"]:
-        if "adagrad" in case["flags"] and not HAVE_ADAGRAD:
-            continue
         assert main(rec["base"].split() + case["flags"].split() + ["--progress", "off", "--test-freq", "4"]) == 0
         out = capsys.readouterr().out
         got = [[int(x[1]), int(x[3]), x[4]] for x in LINE.finditer(out)]

@@ -2,9 +2,12 @@
 training step, jitkern vs PyTorch.
 
 Both models start from the same weights and train on the same random batches (the reference's
-generator, fixed pooling), in one process; the PyTorch model is dlrm_s_pytorch.py's
-(nn.EmbeddingBag(mode="sum", sparse=True), Linear + ReLU, bmm + tril-gather interaction,
-Sigmoid + BCELoss, optim.SGD). Also reported: jitkern's peak memory over its parameter bytes.
+generator, fixed pooling, or a config's multi-hot sizes), in one process; the PyTorch model is
+dlrm_s_pytorch.py's (nn.EmbeddingBag(mode="sum", sparse=True), Linear + ReLU, bmm + tril-gather
+interaction, Sigmoid + BCELoss, optim.SGD), or for a dcn config (mlperf-dcn) TorchRec's DLRM_DCN
+in plain PyTorch (the same bags, a low-rank cross network, BCE with logits, torch.optim.Adagrad
+on the dense parameters and on the tables' sparse gradients). Also reported: jitkern's peak
+memory over its parameter bytes.
 --precision bf16: jitkern's bf16 step (DLRM(precision="bf16"): bf16 MLPs, interaction and tables)
 against its fp32 step, PyTorch's fp32 step and PyTorch under torch.autocast("cpu", bfloat16) on
 the same model (the loss in fp32), all from the same weights.
@@ -107,12 +110,62 @@ def torch_dlrm(torch, model: DLRM):
     return TorchDLRM()
 
 
+def torch_dcn(torch, model: DLRM):
+    """TorchRec's DLRM_DCN (dense arch, sparse arch, LowRankCrossNet, over arch) in plain PyTorch,
+    with `model`'s current weights; returns logits."""
+    nn = torch.nn
+
+    def linears(ws, bs, last_relu):
+        layers = []
+        for l, (w, b) in enumerate(zip(ws, bs)):
+            lin = nn.Linear(w.shape[1], w.shape[0])
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(w))
+                lin.bias.copy_(torch.from_numpy(b))
+            layers += [lin] + ([nn.ReLU()] if last_relu or l < len(ws) - 1 else [])
+        return nn.Sequential(*layers)
+
+    def params(arrays):
+        return nn.ParameterList([nn.Parameter(torch.from_numpy(a.copy())) for a in arrays])
+
+    class TorchDCN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.ModuleList(nn.EmbeddingBag(w.shape[0], w.shape[1], mode="sum", sparse=True,
+                                                     _weight=torch.from_numpy(w.copy())) for w in model.emb)
+            self.bot = linears(model.bot_w, model.bot_b, True)
+            self.v, self.w, self.b = params(model.cross_v), params(model.cross_w), params(model.cross_b)
+            self.top = linears(model.top_w, model.top_b, False)
+
+        def forward(self, dense, offsets, indices):
+            x = self.bot(dense)
+            x0 = torch.cat([x] + [e(i, o) for e, i, o in zip(self.emb, indices, offsets)], dim=1)
+            xl = x0
+            for v, w, b in zip(self.v, self.w, self.b):
+                xl = x0 * (nn.functional.linear(nn.functional.linear(xl, v), w) + b) + xl
+            return self.top(xl)
+
+    return TorchDCN()
+
+
+def _torch_training(torch, model: DLRM, net=None):
+    """(net, loss function, optimizers) of the PyTorch baseline for `model`'s architecture (net:
+    that model, already built)."""
+    if model.interaction != "dcn":
+        net = torch_dlrm(torch, model) if net is None else net
+        return net, torch.nn.BCELoss(reduction="mean"), [torch.optim.SGD(net.parameters(), lr=LR)]
+    net = torch_dcn(torch, model) if net is None else net
+    eps = getattr(model.dense_opt, "eps", 1e-8)
+    tables = list(net.emb.parameters())
+    dense = [p for p in net.parameters() if all(p is not t for t in tables)]
+    return net, torch.nn.BCEWithLogitsLoss(reduction="mean"), [torch.optim.Adagrad(dense, lr=LR, eps=eps),
+                                                                torch.optim.Adagrad(tables, lr=LR, eps=eps)]
+
+
 def torch_step_fn(torch, model: DLRM, batches, *, net=None, autocast=False):
-    """A PyTorch training step on `net` (default: a new torch_dlrm of `model`); autocast: the
-    forward under torch.autocast("cpu", dtype=torch.bfloat16), the loss on its output in fp32."""
-    net = torch_dlrm(torch, model) if net is None else net
-    loss_fn = torch.nn.BCELoss(reduction="mean")
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    """A PyTorch training step on `net` (default: a new model for `model`); autocast: the forward
+    under torch.autocast("cpu", dtype=torch.bfloat16), the loss on its output in fp32."""
+    net, loss_fn, opts = _torch_training(torch, model, net)
     tb = [(torch.from_numpy(b.dense), [torch.from_numpy(o) for o in b.offsets],
            [torch.from_numpy(i) for i in b.indices], torch.from_numpy(b.labels).view(-1, 1)) for b in batches]
     it = itertools.cycle(tb)
@@ -120,12 +173,14 @@ def torch_step_fn(torch, model: DLRM, batches, *, net=None, autocast=False):
 
     def step():
         dense, offsets, indices, labels = next(it)
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
         with context():
             out = net(dense, offsets, indices)
         loss = loss_fn(out.float(), labels)
         loss.backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
         return loss.item()
 
     def first_loss():
@@ -184,7 +239,9 @@ def stage_work(cfg, batch: int) -> dict:
     """stage -> (FLOPs, bytes) of one training step: the MLP GEMMs (forward 2*B*in*out per layer,
     backward twice that but for the first layer's unused input gradient), the dot interaction
     (B * pairs * D multiply-adds forward, twice backward), and the embedding rows moved in whole
-    cache lines (the forward reads each looked-up row; the fused update reads and writes it)."""
+    cache lines (the forward reads each looked-up row; the fused update reads and writes it, and its
+    element-wise Adagrad state row). A dcn config's cross layers count 6 GEMMs of 2*B*n*r FLOPs each
+    (2 forward, 4 backward; the backward's recomputation of u @ w.T is not counted)."""
     from ..dlrm.configs import interaction_width
     top_in = interaction_width(len(cfg.sizes), cfg.dim, cfg.interaction)
     bot = list(zip(cfg.bottom[:-1], cfg.bottom[1:]))
@@ -194,12 +251,14 @@ def stage_work(cfg, batch: int) -> dict:
     pairs = f * (f - 1) // 2 if cfg.interaction == "dot" else 0
     line = 64
     row_bytes = -(-cfg.dim * 4 // line) * line
-    lookups = batch * len(cfg.sizes) * cfg.lookups
+    lookups = batch * sum(cfg.pooling)
+    cross = 6 * 2.0 * batch * top_in * cfg.dcn_rank * cfg.dcn_layers if cfg.interaction == "dcn" else 0.0
+    upd = (4 if cfg.optimizer == "adagrad" else 2) * lookups * row_bytes
     return {
         "bottom_fwd": (fwd(bot), 0), "top_fwd": (fwd(top), 0),
         "bottom_bwd": (2 * fwd(bot) - fwd(bot[:1]), 0), "top_bwd": (2 * fwd(top), 0),
-        "interaction": (6.0 * batch * pairs * cfg.dim, 0),
-        "embedding_fwd": (0, lookups * row_bytes), "embedding_upd": (0, 2 * lookups * row_bytes),
+        "interaction": (6.0 * batch * pairs * cfg.dim + cross, 0),
+        "embedding_fwd": (0, lookups * row_bytes), "embedding_upd": (0, upd),
     }
 
 
@@ -288,7 +347,9 @@ def main(argv=None) -> int:
     blas = set_threads(args.threads)
     print(f"config {args.config}: {len(cfg.sizes)} tables ({sum(cfg.sizes):,} rows), D={cfg.dim}, "
           f"bottom {'-'.join(map(str, cfg.bottom))}, top {'-'.join(map(str, cfg.top))}, "
-          f"pooling {cfg.lookups}, batch {args.batch_size}, threads {args.threads}")
+          f"pooling {'-'.join(map(str, cfg.multi_hot)) if cfg.multi_hot else cfg.lookups}, "
+          f"{cfg.interaction}{f' {cfg.dcn_layers}x{cfg.dcn_rank}' if cfg.interaction == 'dcn' else ''}, "
+          f"optimizer {cfg.optimizer}, batch {args.batch_size}, threads {args.threads}")
     print(blas_description() if blas else "BLAS: unknown")
     batches = config_batches(cfg, args.batch_size, args.num_batches)
     model, jk_step, peak, peak_abs, exact_peak = _jitkern_model(cfg, batches, args.precision)

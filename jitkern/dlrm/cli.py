@@ -153,7 +153,8 @@ def _arch(args, sizes, bot, top, opts) -> dict:
     return arch_dict(sizes, args.arch_sparse_feature_size, bot, top, args.arch_interaction_op,
                      args.arch_interaction_itself,
                      **arch_extras(optimizer=describe(dense, table), weighted_pooling=opts["weighted_pooling"],
-                                   qr=opts.get("qr"), md_dims=opts.get("md_dims")))
+                                   qr=opts.get("qr"), md_dims=opts.get("md_dims"),
+                                   dcn=(opts["dcn_layers"], opts["dcn_rank"]) if "dcn_layers" in opts else None))
 
 
 def _preflight(args, comm, log):

@@ -244,14 +244,19 @@ def _add_replicated(load: Load, table: TableLoad, b: np.ndarray, batch: int, rat
 DENSE_GFLOPS = 60.0           # a rough single-core GEMM rate, for dense stages not measured
 
 
-def dense_estimate(bottom, top, rows: int, gflops: float = DENSE_GFLOPS) -> dict:
+def dense_estimate(bottom, top, rows: int, gflops: float = DENSE_GFLOPS, cross=None) -> dict:
     """Seconds per dense stage at `rows` rows from the MLPs' FLOPs (bottom: [n_dense, ..., D], top:
-    [input width, ..., 1]): a stand-in where the stages are not measured (the overlap needs them)."""
+    [input width, ..., 1]): a stand-in where the stages are not measured (the overlap needs them).
+    cross: (layers, rank) of a dcn model: its cross layers' 6 GEMMs of 2 * rows * n * r FLOPs each
+    (2 forward, 4 backward) are the interaction stage."""
     def flops(sizes):
         return 2.0 * rows * sum(n * m for n, m in zip(sizes[:-1], sizes[1:]))
     rate = gflops * 1e9
-    return {"bottom_fwd": flops(bottom) / rate, "top_fwd": flops(top) / rate,
-            "bottom_bwd": 2 * flops(bottom) / rate, "top_bwd": 2 * flops(top) / rate}
+    out = {"bottom_fwd": flops(bottom) / rate, "top_fwd": flops(top) / rate,
+           "bottom_bwd": 2 * flops(bottom) / rate, "top_bwd": 2 * flops(top) / rate}
+    if cross is not None:
+        out["interaction"] = 6 * 2.0 * rows * top[0] * cross[1] * cross[0] / rate
+    return out
 
 
 @dataclass(frozen=True)

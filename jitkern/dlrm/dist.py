@@ -8,8 +8,8 @@ The step schedule is the base model's; this model overrides the stages that comm
 the bottom MLP forward: row shards' lookups go to their shards, every piece pools, and the pooled
 pieces (after the in-node sums of table-row-wise tables) are posted in one alltoallv, waited for
 after the bottom MLP. Their gradients go back by the reverse alltoallv (then the in-node hand-out)
-posted before the bottom MLP backward; MLP and replicated-table gradients are allreduced in
-buckets as each layer's are ready (layer_done).
+posted before the bottom MLP backward; MLP, cross-network (dcn) and replicated-table gradients
+are allreduced in buckets as each layer's are ready (layer_done, interaction_backward).
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ class DistributedDLRM(DLRM, comm_variant=True):
                 plan = plan_sharding(self.embedding_sizes, self.embedding_dim, req["pooling"], req["batch"],
                                      self.nranks, memory, req["network"] or Network(), kinds=req["sharding"],
                                      nodes=nodes, mlp_bytes=self._mlp_bytes(), top_layers=len(self.top_mlp) - 1,
-                                     dense=dense_estimate(self.bottom_mlp, self.top_mlp, b))
+                                     dense=dense_estimate(self.bottom_mlp, self.top_mlp, b, cross=self._cross_shape()))
             except ValueError as e:
                 err = str(e)
         plan, err = self.comm.bcast((plan, err), root=0)
@@ -131,8 +131,14 @@ class DistributedDLRM(DLRM, comm_variant=True):
         return ColumnGroup(self.comm.Create_group(self.comm.group.Incl(list(spec.ranks)), t), self.embedding_dim,
                            self.exchange.progress)
 
+    def _cross_shape(self):
+        return (self.dcn_layers, self.dcn_rank) if self.interaction == "dcn" else None
+
     def _mlp_bytes(self) -> int:
-        return sum(4 * (n * m + m) for sizes in (self.bottom_mlp, self.top_mlp) for n, m in zip(sizes[:-1], sizes[1:]))
+        """Bytes of the data-parallel parameters: the MLPs and the cross network (dcn)."""
+        cross = 4 * self.dcn_layers * (2 * self.dcn_rank + 1) * self.top_mlp[0] if self.interaction == "dcn" else 0
+        return cross + sum(4 * (n * m + m) for sizes in (self.bottom_mlp, self.top_mlp)
+                           for n, m in zip(sizes[:-1], sizes[1:]))
 
     def _init_parameters(self, rs):
         # The plan needs the validated sizes, which the base __init__ has set by now. Every rank
@@ -148,6 +154,8 @@ class DistributedDLRM(DLRM, comm_variant=True):
         self._held = [s for s in self.shards if s.held and s.kind != "replicate"]
         self._replicas = [s for s in self.shards if s.kind == "replicate"]
         self.bot_w, self.bot_b = self._init_mlp(rs, self.bottom_mlp)
+        if self.interaction == "dcn":                  # drawn where one process draws it
+            self._init_cross(rs)
         self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
 
     @property
@@ -161,6 +169,7 @@ class DistributedDLRM(DLRM, comm_variant=True):
 
     def parameter_bytes(self) -> int:
         dense = sum(a.nbytes for a in self.bot_w + self.bot_b + self.top_w + self.top_b)
+        dense += sum(a.nbytes for a in self.cross_v + self.cross_w + self.cross_b)
         return dense + sum(s.nbytes() for s in self.shards)
 
     def workload(self, batch: int, threads=(1,), *, pooling: int = 1) -> Workload:
@@ -218,7 +227,8 @@ class DistributedDLRM(DLRM, comm_variant=True):
         return sd
 
     def load_local(self, sd: dict) -> None:
-        """Copy the given, already checked full arrays: each table's piece this rank holds, the MLPs."""
+        """Copy the given, already checked full arrays: each table's piece this rank holds, the MLPs
+        and the cross network."""
         for name, a in sd.items():
             kind, idx, what = name.split(".")
             if kind == "emb":
@@ -226,6 +236,8 @@ class DistributedDLRM(DLRM, comm_variant=True):
                 if s.held:
                     r0, r1, c0, c1 = s.region
                     s.write(a[r0:r1, c0:c1])
+            elif kind == "cross":
+                np.copyto({"v": self.cross_v, "w": self.cross_w, "b": self.cross_b}[what][int(idx)], a)
             else:
                 ws, bs = (self.bot_w, self.bot_b) if kind == "bot" else (self.top_w, self.top_b)
                 np.copyto((ws if what == "weight" else bs)[int(idx)], a)
@@ -334,6 +346,13 @@ class DistributedDLRM(DLRM, comm_variant=True):
         else:
             l, dw, db = grads
             self._post_grads(ctx.grads, [dw, db], final=mlp == "bottom" and l == 0)
+
+    def interaction_backward(self, ctx: _DistStep, dz, x, ly):
+        """The base stage, then the cross network's gradients (dcn) join the allreduce buckets."""
+        out = super().interaction_backward(ctx, dz, x, ly)
+        if ctx.cross_grads:
+            self._post_grads(ctx.grads, [g for layer in ctx.cross_grads for g in layer])
+        return out
 
     def embedding_backward_start(self, ctx: _DistStep, dly) -> None:
         """Post the reverse alltoall (my slice's gradient pieces to their holders; then, for

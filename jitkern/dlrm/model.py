@@ -32,7 +32,7 @@ from .torchrng import TorchGenerator
 
 __all__ = ["DLRM", "StageTimer", "StepContext", "arch_extras"]
 
-INTERACTIONS = ("dot", "cat")
+INTERACTIONS = ("dot", "cat", "dcn")
 PRECISIONS = ("fp32", "bf16")
 ACTIVATIONS = ("relu", "sigmoid")
 POOLINGS = (None, "fixed", "learned")
@@ -45,6 +45,8 @@ class DLRM(ModelState):
 
     embedding_sizes: rows per table (T tables); embedding_dim: D;
     bottom_mlp: [n_dense, ..., D]; top_mlp: [..., 1] without its input width (derived).
+    interaction "dot" | "cat" | "dcn" (DLRM-DCNv2: the concatenated (B, (T+1) D) features through
+    dcn_layers low-rank cross layers of rank dcn_rank, then the top MLP).
     The reference's options: optimizer "sgd" | "adagrad" | "rwsadagrad" (table_optimizer
     "sgd" | "adagrad" | "rowwise_adagrad" overrides the tables'; eps: Adagrad's), loss "bce" |
     "mse" | "wbce" (loss_weights: w0, w1) with loss_threshold, activation "relu" | "sigmoid"
@@ -78,10 +80,12 @@ class DLRM(ModelState):
                  self_interaction=False, embedding_precision=None, seed=0, comm=None, optimizer="sgd",
                  table_optimizer=None, eps=DEFAULT_EPS, loss="bce", loss_weights=None, loss_threshold=0.0,
                  activation="relu", weighted_pooling=None, qr=None, md_dims=None, init_stream=None,
-                 precision="fp32"):
+                 precision="fp32", dcn_layers=3, dcn_rank=512):
         self.embedding_sizes = [int(r) for r in embedding_sizes]
         self.embedding_dim = int(embedding_dim)
         self.interaction = interaction
+        self.dcn_layers, self.dcn_rank = int(dcn_layers), int(dcn_rank)
+        self.cross_v, self.cross_w, self.cross_b = [], [], []   # the cross network's (dcn only)
         self.self_interaction = bool(self_interaction)
         self.precision = precision
         self.embedding_precision = precision if embedding_precision is None else embedding_precision
@@ -128,6 +132,8 @@ class DLRM(ModelState):
                              "the interaction needs equal widths")
         if int(top_mlp[-1]) != 1:
             raise ValueError(f"top_mlp must end in 1 output (the click logit), got {top_mlp[-1]}")
+        if self.interaction == "dcn" and (self.dcn_layers < 0 or self.dcn_rank < 1):
+            raise ValueError(f"dcn needs dcn_layers >= 0 and dcn_rank >= 1, got {self.dcn_layers}, {self.dcn_rank}")
 
     def _check_options(self):
         """The reference's options: names, and the combinations this model can train."""
@@ -177,6 +183,8 @@ class DLRM(ModelState):
         gen = TorchGenerator(int(self.seed)) if (self.qr is not None or self.md_dims is not None) else None
         self.emb = [self._new_table(t, rs, gen) for t in range(self.num_tables)]
         self.bot_w, self.bot_b = self._init_mlp(rs, self.bottom_mlp)
+        if self.interaction == "dcn":                   # DLRM_DCN's order: dense arch, crossnet, over arch
+            self._init_cross(rs)
         self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
         if self.precision == "bf16":            # weights as Split pairs; biases stay fp32 (the epilogue's)
             self.bot_w, self.top_w = ([SplitWeight(w) for w in ws] for ws in (self.bot_w, self.top_w))
@@ -233,6 +241,15 @@ class DLRM(ModelState):
         if state is not None:
             self.opt_state[name] = state
 
+    def _init_cross(self, rs):
+        """TorchRec's LowRankCrossNet init: v (r, n) and w (n, r) xavier-normal, b zero."""
+        n, r = self.top_mlp[0], self.dcn_rank
+        std = np.sqrt(2.0 / (n + r))
+        for _ in range(self.dcn_layers):
+            self.cross_v.append(rs.normal(0.0, std, size=(r, n)).astype(np.float32))
+            self.cross_w.append(rs.normal(0.0, std, size=(n, r)).astype(np.float32))
+            self.cross_b.append(np.zeros(n, np.float32))
+
     @staticmethod
     def _init_mlp(rs, sizes):
         ws, bs = [], []
@@ -256,7 +273,8 @@ class DLRM(ModelState):
         and sample: what the tuner tunes for."""
         return dlrm_workload(self.embedding_sizes, self.embedding_dim, self.bottom_mlp, self.top_mlp[1:],
                              batch, threads, pooling=pooling, interaction=self.interaction,
-                             self_interaction=self.self_interaction, itemsize=self.table_itemsize)
+                             self_interaction=self.self_interaction, itemsize=self.table_itemsize,
+                             cross=(self.dcn_layers, self.dcn_rank) if self.interaction == "dcn" else None)
 
     @property
     def table_itemsize(self) -> int:
@@ -385,7 +403,37 @@ class DLRM(ModelState):
             if self.interaction == "dot":
                 out_dtype = "bfloat16" if self.precision == "bf16" else None
                 return ops.interaction_dot_forward(x, ly, self_interaction=self.self_interaction, out_dtype=out_dtype)
-            return ops.interaction_cat_forward(x, ly)
+            z = ops.interaction_cat_forward(x, ly)
+            if self.interaction == "dcn":
+                z = self._cross_forward(ctx, z)
+            return z
+
+    def _cross_forward(self, ctx: StepContext, x0):
+        """The cross network on x0 (b, n): each layer's output, u and (training) y + b into the
+        step's buffers."""
+        ctx.cross_x0 = xl = x0
+        buf = ctx.buf
+        for l, (v, w, b) in enumerate(zip(self.cross_v, self.cross_w, self.cross_b)):
+            keep = buf.cross_y[l] if ctx.lr is not None else None
+            xl, _ = ops.cross_layer_forward(x0, xl, v, w, b, out=buf.cross_x[l], out_u=buf.cross_u[l], out_y=keep)
+        return xl
+
+    def _cross_backward(self, ctx: StepContext, dz):
+        """The cross network's backward from dz = dloss/dx_L (b, n): -> dloss/dx0; the layers'
+        (dv, dw, db) into ctx.cross_grads. dz's buffer carries dxl from layer to layer."""
+        x0, L = ctx.cross_x0, len(self.cross_v)
+        if L == 0:
+            return dz
+        grads = [None] * L
+        d, dx0 = np.require(dz, np.float32, ("C", "W")), None   # the top MLP's own dx: updated in place
+        for l in range(L - 1, -1, -1):
+            xl = x0 if l == 0 else ctx.buf.cross_x[l - 1]
+            dx0, d, dv, dw, db = ops.cross_layer_backward(d, x0, xl, ctx.buf.cross_u[l], self.cross_v[l],
+                                                          self.cross_w[l], self.cross_b[l], y=ctx.buf.cross_y[l],
+                                                          accumulate_dx0=dx0, out_dxl=d)
+            grads[l] = (dv, dw, db)
+        ctx.cross_grads = grads
+        return np.add(dx0, d, out=dx0)                 # x0 is layer 0's xl too
 
     def top_forward(self, ctx: StepContext, z):
         """logits: (b,) from z; the activation on hidden layers, none on the last (the loss applies sigmoid)."""
@@ -440,6 +488,8 @@ class DLRM(ModelState):
         with self.timer("interaction"):
             if self.interaction == "dot":
                 return ops.interaction_dot_backward(dz, x, ly, self_interaction=self.self_interaction)
+            if self.interaction == "dcn":
+                dz = self._cross_backward(ctx, dz)
             return ops.interaction_cat_backward(dz, x, ly)
 
     def embedding_backward_start(self, ctx: StepContext, dly) -> None:
@@ -506,6 +556,13 @@ class DLRM(ModelState):
                     else:
                         self.dense_opt.step(w, self.opt_state.get(f"{prefix}.{l}.weight"), dw, ctx.lr)
                     self.dense_opt.step(b, self.opt_state.get(f"{prefix}.{l}.bias"), db, ctx.lr)
+            self._cross_update(ctx)
+
+    def _cross_update(self, ctx: StepContext) -> None:
+        """The dense optimizer on the cross network's parameters (dcn)."""
+        for l, grads in enumerate(ctx.cross_grads or ()):
+            for name, p, g in zip("vwb", (self.cross_v[l], self.cross_w[l], self.cross_b[l]), grads):
+                self.dense_opt.step(p, self.opt_state.get(f"cross.{l}.{name}"), g, ctx.lr)
 
     def step_loss(self, ctx: StepContext, loss) -> float:
         """The batch-mean loss train_step returns."""
@@ -570,8 +627,9 @@ class DLRM(ModelState):
 
     def arch_extras(self) -> dict:
         """What shapes the arrays beyond arch_dict's, for checkpoints: only what differs from plain SGD tables."""
+        dcn = (self.dcn_layers, self.dcn_rank) if self.interaction == "dcn" else None
         return arch_extras(optimizer=describe(self.dense_opt, self.table_opt), weighted_pooling=self.weighted_pooling,
-                           qr=self.qr, md_dims=self.md_dims)
+                           qr=self.qr, md_dims=self.md_dims, dcn=dcn)
 
     def __repr__(self):
         extra = "".join(f", {k}={v!r}" for k, v in self.arch_extras().items())

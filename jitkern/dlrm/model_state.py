@@ -52,13 +52,18 @@ class ModelState:
     def parameter_bytes(self) -> int:
         """Bytes of the parameters this process holds (a bf16 split table counts both halves)."""
         dense = sum(a.nbytes for a in self.bot_w + self.bot_b + self.top_w + self.top_b)
+        dense += sum(a.nbytes for a in self.cross_v + self.cross_w + self.cross_b)
         return dense + sum(_table_nbytes(w) for w in self.emb if w is not None) + \
             sum(v.nbytes for v in self.pool_w or ())
 
     def mlp_parameters(self) -> dict:
-        """name -> every MLP weight and bias as held: fp32 arrays, or SplitWeight pairs (bf16)."""
+        """name -> every dense parameter as held: MLP weights and biases (fp32 arrays, or SplitWeight
+        pairs in bf16), and between the bottom and top MLPs the cross network's (dcn: cross.{l}.v
+        (r, n), .w (n, r), .b (n,), torch's layout; fp32)."""
         sd = {}
         for prefix, ws, bs in (("bot", self.bot_w, self.bot_b), ("top", self.top_w, self.top_b)):
+            if prefix == "top":
+                sd.update(self._cross_arrays())
             for l, (w, b) in enumerate(zip(ws, bs)):
                 sd[f"{prefix}.{l}.weight"] = w
                 sd[f"{prefix}.{l}.bias"] = b
@@ -67,6 +72,10 @@ class ModelState:
     def mlp_state_dict(self) -> dict:
         """name -> fp32 array of every MLP weight and bias: the live array, or a Split pair rejoined."""
         return {k: p.to_float32() if isinstance(p, SplitWeight) else p for k, p in self.mlp_parameters().items()}
+
+    def _cross_arrays(self) -> dict:
+        return {f"cross.{l}.{k}": a for l, vwb in enumerate(zip(self.cross_v, self.cross_w, self.cross_b))
+                for k, a in zip("vwb", vwb)}
 
     def _table_arrays(self) -> dict:
         """name -> live array of every table parameter (fp32 tables; bf16 ones are left out)."""
@@ -131,6 +140,8 @@ class ModelState:
                        if not isinstance(self.emb[t], (QRTable, MDTable))})
         shapes = {k: shapes[k] for k in sorted(shapes, key=_emb_order)}
         for prefix, sizes in (("bot", self.bottom_mlp), ("top", self.top_mlp)):
+            if prefix == "top":
+                shapes.update({k: a.shape for k, a in self._cross_arrays().items()})
             for l, (n, m) in enumerate(zip(sizes[:-1], sizes[1:])):
                 shapes[f"{prefix}.{l}.weight"] = (m, n)
                 shapes[f"{prefix}.{l}.bias"] = (m,)
@@ -186,10 +197,12 @@ class ModelState:
         self.emb = [ops.quantize_rowwise(w, bits) for w in self.emb]
 
 
-def arch_extras(*, optimizer="sgd", weighted_pooling=None, qr=None, md_dims=None) -> dict:
+def arch_extras(*, optimizer="sgd", weighted_pooling=None, qr=None, md_dims=None, dcn=None) -> dict:
     """The checkpoint architecture's entries for the reference's options that shape arrays (none when
-    all are off, so plain checkpoints read as before)."""
+    all are off, so plain checkpoints read as before); dcn: (layers, rank) of a dcn model."""
     out = {}
+    if dcn is not None:
+        out["dcn_layers"], out["dcn_rank"] = int(dcn[0]), int(dcn[1])
     if optimizer != "sgd":
         out["optimizer"] = optimizer
     if weighted_pooling == "learned":

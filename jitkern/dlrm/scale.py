@@ -271,8 +271,10 @@ HEADERS = ["plan", "P", "global B", "compute ms", "a2a ms/dir", "allreduce ms", 
 
 
 def mlp_params(cfg: ModelConfig) -> int:
+    """The data-parallel (allreduced) parameters: the MLPs', and a dcn model's cross network."""
     top = [interaction_width(len(cfg.sizes), cfg.dim, cfg.interaction)] + list(cfg.top)
-    return sum(n * m + m for sizes in (cfg.bottom, top) for n, m in zip(sizes[:-1], sizes[1:]))
+    cross = cfg.dcn_layers * (2 * cfg.dcn_rank + 1) * top[0] if cfg.interaction == "dcn" else 0
+    return cross + sum(n * m + m for sizes in (cfg.bottom, top) for n, m in zip(sizes[:-1], sizes[1:]))
 
 
 def one_process(cfg: ModelConfig, batch: int, dense: dict, rates: Rates) -> Prediction:
@@ -359,13 +361,18 @@ def _parse(argv):
     return args
 
 
+def _cross(cfg: ModelConfig):
+    """(layers, rank) of a dcn config's cross network, else None."""
+    return (cfg.dcn_layers, cfg.dcn_rank) if cfg.interaction == "dcn" else None
+
+
 def plan_only(cfg: ModelConfig, args, network: Network) -> int:
     """Plan cfg for --ranks at the global --batch from the default rates; print it and the memory."""
     memory = args.rank_memory_gb * 1e9 or None
     b = max(hi - lo for lo, hi in batch_slices(args.batch, args.ranks))
     top = [interaction_width(len(cfg.sizes), cfg.dim, cfg.interaction)] + list(cfg.top)
     plan = make_plan(cfg, args.ranks, args.batch, network=network, memory=memory,
-                     dense=dense_estimate(cfg.bottom, top, b))
+                     dense=dense_estimate(cfg.bottom, top, b, cross=_cross(cfg)))
     mlp = 4 * mlp_params(cfg)
     print(plan.describe())
     print(f"per rank: tables and optimizer state max {max(plan.memory) / 1e9:.2f} GB + MLP weights and gradients "

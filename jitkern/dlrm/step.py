@@ -65,6 +65,11 @@ class Buffers:
         # handed to the interaction as a list of T views (no stacking copy)
         self.pooled = np.empty((model.num_tables, b, model.feature_dim), np.float32)
         self.ly = list(self.pooled)
+        # the cross network's (dcn): each layer's output x_{l+1} (b, n), u_l (b, r) and y_l + b_l (b, n),
+        # kept for the backward
+        self.cross_x = [np.empty((b, v.shape[1]), np.float32) for v in model.cross_v]
+        self.cross_u = [np.empty((b, v.shape[0]), np.float32) for v in model.cross_v]
+        self.cross_y = [np.empty((b, v.shape[1]), np.float32) for v in model.cross_v]
         self.zero_labels = np.zeros(b, np.float32)
         self.dense16 = _bf16(b, model.num_dense) if bf16 else None
         self.pooled16 = _bf16(model.num_tables, b, model.feature_dim) if bf16 else None
@@ -87,3 +92,5 @@ class StepContext:
     buf: Buffers
     logits: np.ndarray | None = None      # set by loss_forward (the general losses' backward reads them)
     psw: list | None = None               # learned pooling: each table's per-lookup weights
+    cross_x0: np.ndarray | None = None    # dcn: the cross network's input (b, n)
+    cross_grads: list | None = None       # dcn: (dv, dw, db) per cross layer

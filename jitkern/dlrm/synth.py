@@ -153,9 +153,27 @@ class RandomData:
                 yield b
 
 
+def multi_hot_batches(embedding_sizes, pooling, num_dense, batch_size: int, num_batches: int, seed: int = 0) -> list:
+    """Random batches with a fixed number of lookups per table and sample (pooling[t]), ids uniform
+    with repeats kept, as MLPerf's multi-hot data (--multi_hot_distribution_type uniform)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num_batches):
+        n = batch_size
+        dense = rng.random((n, num_dense), dtype=np.float32)
+        offsets = np.stack([np.arange(n, dtype=np.int64) * k for k in pooling])
+        indices = [rng.integers(0, rows, n * k, dtype=np.int64) for rows, k in zip(embedding_sizes, pooling)]
+        labels = (rng.random(n) < 0.5).astype(np.float32)
+        out.append(Batch(dense, offsets, indices, labels))
+    return out
+
+
 def config_batches(cfg, batch_size: int, num_batches: int, seed: int = 0) -> list:
     """The benchmarks' batches for a configs.ModelConfig: the reference's generator with a fixed
-    pooling of cfg.lookups indices per table and sample (duplicates within a bag merged)."""
+    pooling of cfg.lookups indices per table and sample (duplicates within a bag merged), or the
+    multi-hot batches of cfg.multi_hot."""
+    if cfg.multi_hot:
+        return multi_hot_batches(cfg.sizes, cfg.multi_hot, cfg.bottom[0], batch_size, num_batches, seed)
     src = RandomData(cfg.sizes, cfg.bottom[0], batch_size, num_batches, num_indices_per_lookup=cfg.lookups,
                      fixed=True, seed=seed)
     return list(src.batches())

@@ -1,9 +1,11 @@
 """Public kernels: checked wrappers over generated code. References live in ops.reference."""
 from .activation import sigmoid_backward, sigmoid_forward
 from .bf16 import BF16Array, join_float32, split_float32
+from .cross import cross_layer_backward, cross_layer_forward
 from .embedding import (
     SplitBF16Table,
     embedding_bag_adagrad_,
+    embedding_bag_adagrad_exact_,
     embedding_bag_backward,
     embedding_bag_forward,
     embedding_bag_per_sample_weights_backward,
@@ -19,14 +21,17 @@ from .interaction import (
     interaction_dot_forward,
 )
 from .loss import sigmoid_bce_backward, sigmoid_bce_forward, sigmoid_loss_backward, sigmoid_loss_forward
-from .optim import sgd_, split_sgd_
+from .optim import adagrad_, sgd_, split_sgd_
 
 __all__ = [
-    "BF16Array", "batch_reduce_gemm", "embedding_bag_adagrad_", "embedding_bag_backward", "embedding_bag_forward",
+    "BF16Array", "adagrad_", "batch_reduce_gemm", "cross_layer_backward", "cross_layer_forward",
+    "embedding_bag_adagrad_", "embedding_bag_adagrad_exact_",
+    "embedding_bag_backward", "embedding_bag_forward",
     "embedding_bag_per_sample_weights_backward",
     "embedding_bag_sgd_", "empty_table", "gemm", "interaction_cat_backward", "interaction_cat_forward",
     "interaction_dot_backward", "interaction_dot_forward", "linear_backward", "linear_forward",
-    "SplitBF16Table", "sgd_", "split_sgd_", "split_float32", "join_float32", "sigmoid_backward", "sigmoid_bce_backward", "sigmoid_bce_forward",
+    "SplitBF16Table", "sgd_", "split_sgd_", "split_float32", "join_float32", "sigmoid_backward",
+    "sigmoid_bce_backward", "sigmoid_bce_forward",
     "sigmoid_forward", "sigmoid_loss_backward", "sigmoid_loss_forward",
     "QuantizedTable", "embedding_bag_quantized_forward", "quantize_rowwise",
 ]

@@ -1,6 +1,6 @@
-"""Dense optimizer updates: `sgd_` is the in-place SGD step for MLP parameters, `split_sgd_` the
-same step on a bf16 Split pair (the weight's bf16 high halves and uint16 low halves): the halves
-are rejoined to the exact fp32 weight, updated in fp32 and split again, in one pass.
+"""Dense optimizer updates, the in-place steps of MLP (and cross) parameters: `sgd_`, `adagrad_`,
+and `split_sgd_`, the SGD step on a bf16 Split pair (the weight's bf16 high halves and uint16 low
+halves): the halves are rejoined to the exact fp32 weight, updated in fp32 and split again, in one pass.
 
 The BF16 Split-SGD table of the embeddings is ops/embedding/split_bf16.py.
 """
@@ -13,6 +13,7 @@ from numba import prange
 from ..codegen import jit
 from ..codegen.bf16 import as_float32, as_uint32
 from ..codegen.knobs import knob
+from ..codegen.qrowvec import fma_f32
 from . import _check
 from .bf16 import BF16Array
 
@@ -109,3 +110,45 @@ def split_sgd_(hi, lo, grad, lr):
         parallel = h.shape[0] >= SGD_PARALLEL.choose((numba.get_num_threads(),))["min_size"]
         (_split_sgd_parallel if parallel else _split_sgd_serial)(h, l, g, np.float32(lr))
     return hi, lo
+
+
+@jit(inline="always")
+def _adagrad_elem(p, s, g, i, lr, eps):
+    """torch.optim.Adagrad's element update, in its float32 operations: s = fma(g, g, s) (its
+    addcmul_ rounds once), then p += (-lr * g) / (sqrt(s) + eps)."""
+    gi = g[i]
+    si = fma_f32(gi, gi, s[i])
+    s[i] = si
+    p[i] = p[i] + (-lr * gi) / (np.sqrt(si) + eps)
+
+
+@jit(parallel=True, fastmath=frozenset())  # strict IEEE: no contraction, bit-identical to torch's
+def _adagrad_parallel(p, s, g, lr, eps):
+    for i in prange(p.shape[0]):
+        _adagrad_elem(p, s, g, i, lr, eps)
+
+
+@jit(fastmath=frozenset())
+def _adagrad_serial(p, s, g, lr, eps):
+    for i in range(p.shape[0]):
+        _adagrad_elem(p, s, g, i, lr, eps)
+
+
+def adagrad_(param, state, grad, lr, eps):
+    """In place Adagrad (torch.optim.Adagrad, lr_decay 0): state += grad**2;
+    param -= lr * grad / (sqrt(state) + eps); param, state, grad: same shape, float32. Returns param.
+
+    state and grad must not overlap param or each other."""
+    param = _check.float_array("param", param, copy=False, writeable=True)
+    state = _check.float_array("state", state, shape=param.shape, copy=False, writeable=True)
+    grad = _check.float_array("grad", grad, shape=param.shape)
+    lr = _check.finite("lr", lr)
+    eps = _check.finite("eps", eps, minimum=0.0)
+    _check.no_overlap("state", state, param, what="param")
+    _check.no_overlap("grad", grad, param, state, what="param or state (the arrays the update writes)")
+    if param.size:
+        p, s, g = param.reshape(-1), state.reshape(-1), grad.reshape(-1)
+        # the update reads and writes 3 arrays where SGD does 2: the same threshold serves
+        parallel = p.shape[0] >= SGD_PARALLEL.choose((numba.get_num_threads(),))["min_size"]
+        (_adagrad_parallel if parallel else _adagrad_serial)(p, s, g, np.float32(lr), np.float32(eps))
+    return param

@@ -201,6 +201,20 @@ def embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, eps=1e-8, 
     return weight
 
 
+def embedding_bag_adagrad_exact_(weight, state, indices, offsets, dout, lr, eps=1e-8, *, mode="sum",
+                                 per_sample_weights=None, include_last_offset=False):
+    """In place element-wise Adagrad (FBGEMM's EXACT_ADAGRAD, torch.optim.Adagrad on the coalesced sparse
+    gradient): state[r] += g_r**2; w_r -= lr g_r / (sqrt(state[r]) + eps); state (R, D)."""
+    rows, drows = embedding_bag_backward(indices, offsets, dout, weight.shape[0], mode=mode,
+                                         per_sample_weights=per_sample_weights,
+                                         include_last_offset=include_last_offset)
+    g = drows.astype(np.float64)
+    state[rows] = (state[rows] + g * g).astype(state.dtype)
+    step = lr * g / (np.sqrt(state[rows].astype(np.float64)) + eps)
+    weight[rows] = (weight[rows] - step).astype(weight.dtype)
+    return weight
+
+
 def bf16_split(w):
     """Split float32 (..., D) into (hi, lo) uint16 halves; hi is the truncated bf16 value."""
     bits = np.ascontiguousarray(w, np.float32).view(np.uint32)
@@ -349,6 +363,31 @@ def sigmoid_backward(dy, y):
     return (np.asarray(dy, np.float64) * v * (1.0 - v)).astype(np.float32)
 
 
+# --------------------------------------------------------------------------- low-rank cross layer
+
+
+def cross_layer_forward(x0, xl, v, w, b, *, out=None, out_u=None, out_y=None):
+    """(x_next, u): u = xl @ v.T, x_next = x0 * (u @ w.T + b) + xl; float64 inside."""
+    x0, xl = np.asarray(x0, np.float64), np.asarray(xl, np.float64)
+    u = xl @ np.asarray(v, np.float64).T
+    y = u @ np.asarray(w, np.float64).T + np.asarray(b, np.float64)
+    return (x0 * y + xl).astype(np.float32), u.astype(np.float32)
+
+
+def cross_layer_backward(dx_next, x0, xl, u, v, w, b, *, y=None, accumulate_dx0=None, out_dxl=None):
+    """(dx0, dxl, dv, dw, db) of cross_layer_forward; float64 inside."""
+    d, x0, xl, u = (np.asarray(a, np.float64) for a in (dx_next, x0, xl, u))
+    v, w, b = (np.asarray(a, np.float64) for a in (v, w, b))
+    dy = d * x0
+    du = dy @ w
+    dx0 = d * (u @ w.T + b)
+    if accumulate_dx0 is not None:
+        dx0 = dx0 + accumulate_dx0
+    f32 = np.float32
+    return dx0.astype(f32), (d + du @ v).astype(f32), (du.T @ xl).astype(f32), (dy.T @ u).astype(f32), \
+        dy.sum(axis=0).astype(f32)
+
+
 # --------------------------------------------------------------------------- dense optimizers
 
 
@@ -364,6 +403,15 @@ def split_sgd_(hi, lo, grad, lr):
     w = sgd_(bf16_join(hi.bits, lo), grad, lr)
     hi.bits[...], lo[...] = bf16_split(w)
     return hi, lo
+
+
+def adagrad_(param, state, grad, lr, eps):
+    """In place Adagrad (torch.optim.Adagrad): state += grad**2; param -= lr grad / (sqrt(state) + eps)."""
+    g = np.asarray(grad, np.float64)
+    state[...] = (state.astype(np.float64) + g * g).astype(np.float32)
+    step = lr * g / (np.sqrt(state.astype(np.float64)) + eps)
+    param[...] = (param.astype(np.float64) - step).astype(np.float32)
+    return param
 
 
 # --------------------------------------------------------------------------- quantized embedding bags
@@ -407,3 +455,4 @@ def embedding_bag_quantized_forward(table, indices, offsets, *, mode="sum", per_
     """Pooled dequantized rows per bag: embedding_bag_forward over dequantize_rowwise(table) -> (B, D)."""
     return embedding_bag_forward(dequantize_rowwise(table), indices, offsets, mode=mode,
                                  per_sample_weights=per_sample_weights, include_last_offset=include_last_offset)
+

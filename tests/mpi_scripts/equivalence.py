@@ -23,6 +23,8 @@ def main(batch, steps, interaction, self_interaction, precision):
     arch = dict(embedding_sizes=SIZES, embedding_dim=DIM, bottom_mlp=[5, 24, DIM], top_mlp=[20, 1],
                 interaction=interaction, self_interaction=self_interaction, seed=7,
                 embedding_precision=precision)
+    if interaction == "dcn":
+        arch.update(dcn_layers=2, dcn_rank=6)
     # the whole-table placement (tiny tables replicated, fp32 and bf16 alike)
     plan = whole_table_plan(place_tables(SIZES, DIM, comm.Get_size()))
     dist = DLRM(**arch, comm=comm, sharding=plan)

@@ -221,3 +221,26 @@ def adagrad_row(table, state, r, g, a, lr, eps, D, DC):
     state[r] = s_new
     step = np.float32(lr / (math.sqrt(np.float64(s_new)) + eps))
     madd_row(table, r, g, a, -step, D, DC, False)
+
+
+@jit(inline="always")
+def adagrad_exact_row(table, state, r, g, a, lr, eps, D, DC):
+    """Element-wise Adagrad of row r with its coalesced gradient g[a] (FBGEMM's EXACT_ADAGRAD, float32
+    throughout): state[r] += g**2, then table[r] -= lr * g / (sqrt(state[r]) + eps); state: (R, D)."""
+    for d in range(DC if DC else D):
+        gd = g[a, d]
+        s = state[r, d] + gd * gd
+        state[r, d] = s
+        table[r, d] = table[r, d] - (lr * gd) / (np.sqrt(s) + eps)
+
+
+@jit(inline="always")
+def prefetch_state_entry(state, r, row_bytes, tail):
+    """Prefetch row r's row-wise Adagrad state (one float of state (R,))."""
+    prefetch_at(state, r, 0, L2)
+
+
+@jit(inline="always")
+def prefetch_state_row(state, r, row_bytes, tail):
+    """Prefetch row r's element-wise Adagrad state (a row of state (R, D))."""
+    prefetch_row(state, r, row_bytes, tail, L2)

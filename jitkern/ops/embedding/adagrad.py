@@ -13,7 +13,8 @@ path and for any thread count. The occurrences are grouped (grouping.py):
   table, and the hash lists of a skewed batch would be walked entry by entry.
 
 Knobs: the prefetch distances of the update and the linking pass, and the number of indices
-from which the hashed update uses every thread.
+from which the hashed update uses every thread. The element-wise Adagrad (adagrad_exact.py) runs
+on these paths and knobs with its own row update (build(spec, exact=True), update(..., op)).
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from numba import prange
 
 from ...codegen import KernelSpec, get_kernel, jit, kernel_factory, tunedb
 from ...codegen.knobs import knob
-from ...codegen.prefetch import prefetch_at
 from ...codegen.rowvec import stack_f32
 from ...config import choice_token
 from .._check import finite, float_array, no_overlap
@@ -40,7 +40,20 @@ from ._knobs import (
     problems,
     shape_class,
 )
-from ._rows import L2, adagrad_row, d_class, entry_scale, madd_row, num_threads, prefetch_row, scratch, straddles
+from ._rows import (
+    L2,
+    adagrad_exact_row,
+    adagrad_row,
+    d_class,
+    entry_scale,
+    madd_row,
+    num_threads,
+    prefetch_row,
+    prefetch_state_entry,
+    prefetch_state_row,
+    scratch,
+    straddles,
+)
 from ._validate import check_bag_args, check_sparse_sizes, check_table, raise_bag_error, validate_bags
 from .grouping import group_gradient, link_rows, list_heads, sample_repeats, sorted_groups
 
@@ -56,12 +69,19 @@ _LR, _EPS = 0.01, 1e-8   # what runners and searches time
 # ----------------------------------------------------------------------------- hashed path
 
 
+def _row_ops(exact):
+    """(update a row, prefetch its state) of row-wise (state (R,)) or element-wise (exact: (R, D)) Adagrad."""
+    return (adagrad_exact_row, prefetch_state_row) if exact else (adagrad_row, prefetch_state_entry)
+
+
 @functools.lru_cache(maxsize=None)
-def _walker(DC, PF, listed):
+def _walker(DC, PF, listed, exact=False):
     """The update loop for compile-time width DC (0: runtime D) and prefetch distance PF: over a
     list of heads (listed), or over the entries j0 <= j < j0 + len(heads) that head a list (heads
     then only gives the count). Copies for unscaled and scaled (per-sample weights or mean)
-    entries, so the common one tests nothing per entry. target = (table, state)."""
+    entries, so the common one tests nothing per entry. target = (table, state); exact: the
+    element-wise update."""
+    update_row, prefetch_state = _row_ops(exact)
 
     @jit(inline="always")
     def loop(heads, j0, unit, scaled, bags, dout, lr, eps, target, scratch):
@@ -73,12 +93,12 @@ def _walker(DC, PF, listed):
         acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
         one = np.float32(1.0)
         m = heads.shape[0]
-        tail = straddles(table, D * 4)
+        tail, stail = straddles(table, D * 4), straddles(state, D * 4)
         for i in range(m):
             if i + PF < m:  # rows are prefetched (the reads miss in DRAM); unlisted, a
                 r = indices[heads[i + PF]] if listed else indices[j0 + i + PF]  # repeat's row at times
                 prefetch_row(table, r, D * 4, tail, L2)
-                prefetch_at(state, r, 0, L2)  # its Adagrad state: another miss per row otherwise
+                prefetch_state(state, r, D * 4, stail)  # its Adagrad state: another miss per row otherwise
             j = heads[i] if listed else j0 + i
             if listed or head[j]:
                 k = j
@@ -89,7 +109,7 @@ def _walker(DC, PF, listed):
                     madd_row(acc, 0, dout, b, sc, D, DC, first)
                     first = False
                     k = nxt[k]
-                adagrad_row(table, state, indices[j], acc, 0, lr, eps, D, DC)
+                update_row(table, state, indices[j], acc, 0, lr, eps, D, DC)
 
     @jit(fastmath=frozenset())
     def walk(heads, j0, unit, bags, dout, lr, eps, target, scratch):
@@ -103,11 +123,11 @@ def _walker(DC, PF, listed):
 
 
 @functools.lru_cache(maxsize=None)
-def _applier(DC, PF):
+def _applier(DC, PF, exact=False):
     """apply(j0, j1, ...): update the rows whose first occurrence is in [j0, j1); shared by the
     serial and parallel kernels."""
-    walk_listed = _walker(DC, PF, True)
-    walk_range = _walker(DC, PF, False)
+    walk_listed = _walker(DC, PF, True, exact)
+    walk_range = _walker(DC, PF, False, exact)
 
     @jit(fastmath=frozenset())  # strict IEEE: every path rounds identically
     def apply(j0, j1, unit, bags, dout, lr, eps, target, scratch):
@@ -160,7 +180,9 @@ def _hashed_parallel_kernel(apply):
 # ----------------------------------------------------------------------------- sorted path
 
 
-def _sorted_kernel(DC, PF):
+def _sorted_kernel(DC, PF, exact=False):
+    update_row, prefetch_state = _row_ops(exact)
+
     @jit(parallel=True, fastmath=frozenset())
     def update(groups, dout, lr, eps, target):
         # groups: grouping.sorted_groups; part t (one thread's) owns the row groups parts[t]:parts[t+1]
@@ -168,26 +190,31 @@ def _sorted_kernel(DC, PF):
         table, state = target
         D = DC if DC else dout.shape[1]
         ngroups = group.shape[0] - 1
-        tail = straddles(table, D * 4)
+        tail, stail = straddles(table, D * 4), straddles(state, D * 4)
         lr32 = np.float32(lr)
         for t in prange(parts.shape[0] - 1):
             acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
             for g in range(parts[t], parts[t + 1]):
                 if g + PF < ngroups:  # a hint only: may touch the next part's rows
                     prefetch_row(table, rows[group[g + PF]], D * 4, tail, L2)
-                    prefetch_at(state, rows[group[g + PF]], 0, L2)
+                    prefetch_state(state, rows[group[g + PF]], D * 4, stail)
                 group_gradient(acc, dout, groups, g, D, DC)
-                adagrad_row(table, state, rows[group[g]], acc, 0, lr32, eps, D, DC)
+                update_row(table, state, rows[group[g]], acc, 0, lr32, eps, D, DC)
     return update
+
+
+def build(spec, exact):
+    """The kernel of spec's width, prefetch distance and path; exact: element-wise Adagrad."""
+    DC, PF, path = spec["D"], spec["pf"], spec["path"]
+    if path == "sorted":
+        return _sorted_kernel(DC, PF, exact)
+    apply = _applier(DC, PF, exact)
+    return _hashed_parallel_kernel(apply) if path == "hashed-parallel" else _hashed_kernel(apply)
 
 
 @kernel_factory("embedding_bag_adagrad")
 def _adagrad_factory(spec):
-    DC, PF, path = spec["D"], spec["pf"], spec["path"]
-    if path == "sorted":
-        return _sorted_kernel(DC, PF)
-    apply = _applier(DC, PF)
-    return _hashed_parallel_kernel(apply) if path == "hashed-parallel" else _hashed_kernel(apply)
+    return build(spec, False)
 
 
 def _update_path(nnz: int, num_rows: int, threads: int, repeats: float, min_nnz: int) -> str:
@@ -221,9 +248,8 @@ def _run(kernels, path, bags, nbags, dout, lr, eps, target, threads, link, table
 _PATHS = ("hashed", "hashed-parallel", "sorted")
 
 
-def _all_kernels(dim, distance):
-    return {path: get_kernel(KernelSpec.make("embedding_bag_adagrad", D=d_class(dim), pf=int(distance), path=path))
-            for path in _PATHS}
+def _all_kernels(dim, distance, op="embedding_bag_adagrad"):
+    return {path: get_kernel(KernelSpec.make(op, D=d_class(dim), pf=int(distance), path=path)) for path in _PATHS}
 
 
 def _timed(problem, prefetch, parallel):
@@ -284,17 +310,17 @@ PARALLEL = knob("embedding.parallel.adagrad", doc="indices up to which the hashe
 _KERNELS: dict = {}  # as forward._KERNELS
 
 
-def _kernels(rows, dim, threads, nnz, nbags):
+def _kernels(rows, dim, threads, nnz, nbags, op="embedding_bag_adagrad"):
     """(parallel threshold, linking distance, {path: kernel}) of a table at a thread count,
-    memoised as forward._kernels."""
+    memoised as forward._kernels; op: the kernels' (element-wise Adagrad's shares the knobs)."""
     token = (choice_token(), tunedb.generation())
-    key = (rows, dim, threads)
+    key = (rows, dim, threads, op)
     got = _KERNELS.get(key)
     if got is None or got[0] != token:
         problem = call_problem(rows, dim, nnz, nbags, 4, threads)
         prefetch = PREFETCH.choose(problem)
         got = _KERNELS[key] = (token, (PARALLEL.choose(problem)["min_nnz"], int(prefetch["link"]),
-                                       _all_kernels(dim, prefetch["distance"])))
+                                       _all_kernels(dim, prefetch["distance"], op)))
     return got[1]
 
 
@@ -312,11 +338,17 @@ def embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, eps=1e-8, 
     no_overlap("state", state, w, what="weight")
     no_overlap("dout", dout, w, state, what="weight or state (the arrays the update writes)")
     no_overlap("per_sample_weights", bags[2], w, state, what="weight or state (the arrays the update writes)")
+    update(bags, nbags, dout, lr, eps, (w, state))
+    return weight
+
+
+def update(bags, nbags, dout, lr, eps, target, op="embedding_bag_adagrad"):
+    """The checked update of target = (table, state) by op's kernels, on the path the batch calls for."""
+    w = target[0]
+    R, D = w.shape
     nnz = bags[0].shape[0]
     check_sparse_sizes(R, nnz)
     threads = num_threads()
-    min_nnz, link, kernels = _kernels(R, D, threads, nnz, nbags)
+    min_nnz, link, kernels = _kernels(R, D, threads, nnz, nbags, op)
     sample = sample_repeats(bags[0], scratch(nnz, 7)) if nnz > SORTED_MIN_NNZ else 0.0
-    _run(kernels, _update_path(nnz, R, threads, sample, min_nnz), bags, nbags, dout, lr, eps, (w, state), threads,
-         link)
-    return weight
+    _run(kernels, _update_path(nnz, R, threads, sample, min_nnz), bags, nbags, dout, lr, eps, target, threads, link)
