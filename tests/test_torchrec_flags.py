@@ -2,6 +2,7 @@
 equivalent, mixing the two for one setting is refused, and multi-hot sizes shape the batches."""
 import re
 
+import numba
 import numpy as np
 import pytest
 
@@ -130,8 +131,10 @@ def test_dlrm_main_dcn_command_line_trains(capsys):
             "--interaction_type=dcn --dcn_num_layers=2 --dcn_low_rank_dim=16 --adagrad --learning_rate 0.02 "
             f"--num_embeddings_per_feature {rows} --multi_hot_sizes {MLPERF_HOTS} --multi_hot_distribution_type uniform "
             "--batch_size 128 --limit_train_batches 150 --limit_test_batches 8 --data-generation synthetic "
-            "--test-freq 150 --progress off").split()
+            "--test-freq 150 --progress off --threads 1").split()
+    threads = numba.get_num_threads()
     assert main(argv) == 0, capsys.readouterr().err
+    assert numba.get_num_threads() == threads           # --threads is the run's own setting
     out = capsys.readouterr().out
     assert "interaction='dcn'" in out and "optimizer='adagrad/adagrad'" in out
     aucs = [float(a) for a in re.findall(r"Testing at it \d+/\d+: .* auc ([0-9.]+)", out)]

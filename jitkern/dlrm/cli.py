@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+import numba
 import numpy as np
 
 from .. import set_num_threads
@@ -337,6 +338,7 @@ def _interrupted(e: Interrupted) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     sleep_idle_workers()                             # before the first parallel kernel starts the thread pool
+    threads = numba.get_num_threads()                # --threads is this run's: a caller's setting comes back
     with raising_signals():                          # SIGTERM unwinds as Ctrl-C does
         try:
             return run(args)
@@ -347,6 +349,8 @@ def main(argv=None) -> int:
                 raise
             write_lines(f"{PROG}: error: {preflight.message(e)}")
             return 2
+        finally:
+            numba.set_num_threads(threads)
 
 
 if __name__ == "__main__":
