@@ -19,6 +19,8 @@ from ..codegen.simd import tile_for
 from ..config import choice_token
 from . import _check, gemm_bf16
 from .bf16 import BF16Array
+from .gemm_blocking import dw_variant, layer_problems, split_for_threads
+from .gemm_blocking import round_to as _round_to
 from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transpose_into
 
 
@@ -30,10 +32,6 @@ def tile_shape(isa: str | None = None) -> tuple[int, int, int]:
 # --------------------------------------------------------------------------- blocking knobs
 
 VARIANTS = ("gemm", "linear_forward", "linear_dx", "linear_dw", "linear_dwt", "batch_reduce_gemm")
-
-
-def _round_to(x: int, m: int) -> int:
-    return max(m, (x + m - 1) // m * m)
 
 
 def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> dict:
@@ -66,33 +64,7 @@ def shape_blocks(params: dict, m: int, n: int, k: int, threads: int, isa: str | 
     shaped so that `threads` threads get even work."""
     mr, nr, _ = tile_shape(isa)
     mc, kc = _round_to(int(params["mc"]), mr), max(1, int(params["kc"]))
-    if k <= kc * 5 // 4:  # one pass over K beats a full pass plus a sliver
-        kc = max(k, 1)
-    nib = -(-m // mc)
-    if threads > 1:
-        nib = _round_to(nib, threads) if nib >= threads else nib
-        mc = _round_to(-(-m // nib), mr)
-        nib = -(-m // mc)
-    nc = _round_to(n, nr)
-    if nib < 2 * threads and threads > 1:  # too few row blocks: split the columns too
-        njb = -(-2 * threads // nib)
-        nc = _round_to(-(-n // njb), nr)
-    return mc, kc, nc
-
-
-def _problems(variant):
-    """The (m, n, k, threads) GEMMs of `variant` that a workload's linear layers run."""
-    def problems(w):
-        mr, nr, _ = tile_shape()
-        for batch, kin, kout in w.linears:
-            for threads in w.threads:
-                if variant == "linear_forward":
-                    yield batch, kout, kin, threads
-                elif variant == "linear_dx":
-                    yield batch, kin, kout, threads
-                elif variant == dw_variant(kout, kin, mr, nr):
-                    yield (kout, kin, batch, threads) if variant == "linear_dw" else (kin, kout, batch, threads)
-    return problems
+    return split_for_threads(mc, kc, m, n, k, threads, (mr, nr))
 
 
 def _candidates(problem, quick):
@@ -124,7 +96,7 @@ def _runner(variant):
 BLOCKS = {v: knob(f"gemm.blocks.{v}", doc=f"(mc, kc) cache blocks of {v}",
                   heuristic=lambda p, v=v: heuristic_blocks(v, *p),
                   shape_class=lambda p: f"{pow2_class(*p[:3])}t{p[3]}",
-                  problems=_problems(v), candidates=_candidates, runner=_runner(v))
+                  problems=layer_problems(v, lambda: tile_shape()[:2]), candidates=_candidates, runner=_runner(v))
           for v in VARIANTS}
 
 
@@ -140,18 +112,6 @@ def blocks_for(variant: str, m: int, n: int, k: int, threads: int) -> tuple[int,
 
 
 _SHAPED: dict = {}
-
-
-def _lane_use(m: int, n: int, mr: int, nr: int) -> float:
-    """Fraction of the register tile's lanes an (m, n) C keeps busy."""
-    return m / (-(-m // mr) * mr) * n / (-(-n // nr) * nr)
-
-
-def dw_variant(m: int, k: int, mr: int, nr: int) -> str:
-    """linear_backward's weight gradient (m out, k in): dw = g.T @ x ("linear_dw"), or
-    dw.T = x.T @ g ("linear_dwt") when that fills the register tiles better (13 -> 512: 0.81 vs
-    0.41 of the lanes); at equal use dw is the faster of the two."""
-    return "linear_dwt" if _lane_use(k, m, mr, nr) > 1.02 * _lane_use(m, k, mr, nr) else "linear_dw"
 
 
 def _run(a, b, c, ta, tb, op, **kw):

@@ -17,14 +17,12 @@ from ..codegen.knobs import knob, pow2_class
 from ..config import choice_token
 from . import _check
 from .bf16 import BF16Array
+from .gemm_blocking import dw_variant, layer_problems, split_for_threads
+from .gemm_blocking import round_to as _round_to
 from .gemm_bf16_kernel import bf16_tile, gemm_bf16_into, grad_buffer, relu_grad_bf16
 
 VARIANTS = ("gemm", "linear_forward", "linear_dx", "linear_dw", "linear_dwt")
 OUT_DTYPES = (None, "float32", "bfloat16")
-
-
-def _round_to(x: int, m: int) -> int:
-    return max(m, (x + m - 1) // m * m)
 
 
 # --------------------------------------------------------------------------- blocking knobs
@@ -49,33 +47,7 @@ def shape_blocks(params: dict, m: int, n: int, k: int, threads: int) -> tuple[in
     GEMM's (ops/gemm.shape_blocks) for the bf16 tile; kc even unless it covers all of k."""
     _, mr, nr, _ = bf16_tile()
     mc, kc = _round_to(int(params["mc"]), mr), max(2, int(params["kc"]) // 2 * 2)
-    if k <= kc * 5 // 4:  # one pass over K beats a full pass plus a sliver
-        kc = max(k, 1)
-    nib = -(-m // mc)
-    if threads > 1:
-        nib = _round_to(nib, threads) if nib >= threads else nib
-        mc = _round_to(-(-m // nib), mr)
-        nib = -(-m // mc)
-    nc = _round_to(n, nr)
-    if nib < 2 * threads and threads > 1:  # too few row blocks: split the columns too
-        njb = -(-2 * threads // nib)
-        nc = _round_to(-(-n // njb), nr)
-    return mc, kc, nc
-
-
-def _problems(variant):
-    """The (m, n, k, threads) GEMMs of `variant` that a workload's linear layers run."""
-    def problems(w):
-        _, mr, nr, _ = bf16_tile()
-        for batch, kin, kout in w.linears:
-            for threads in w.threads:
-                if variant == "linear_forward":
-                    yield batch, kout, kin, threads
-                elif variant == "linear_dx":
-                    yield batch, kin, kout, threads
-                elif variant == dw_variant(kout, kin, mr, nr):
-                    yield (kout, kin, batch, threads) if variant == "linear_dw" else (kin, kout, batch, threads)
-    return problems
+    return split_for_threads(mc, kc, m, n, k, threads, (mr, nr))
 
 
 def _candidates(problem, quick):
@@ -101,7 +73,7 @@ def _runner(variant):
 BLOCKS = {v: knob(f"gemm.bf16.blocks.{v}", doc=f"(mc, kc) cache blocks of bf16 {v}",
                   heuristic=lambda p, v=v: heuristic_blocks(v, *p),
                   shape_class=lambda p: f"{pow2_class(*p[:3])}t{p[3]}",
-                  problems=_problems(v), candidates=_candidates, runner=_runner(v))
+                  problems=layer_problems(v, lambda: bf16_tile()[1:3]), candidates=_candidates, runner=_runner(v))
           for v in VARIANTS}
 
 _SHAPED: dict = {}
@@ -116,14 +88,6 @@ def blocks_for(variant: str, m: int, n: int, k: int, threads: int) -> tuple[int,
             _SHAPED.clear()
         got = _SHAPED[key] = shape_blocks(BLOCKS[variant].choose((m, n, k, threads)), m, n, k, threads)
     return got
-
-
-def dw_variant(m: int, k: int, mr: int, nr: int) -> str:
-    """The weight gradient (m out, k in) as dw = g.T @ x ("linear_dw") or dw.T = x.T @ g
-    ("linear_dwt"), whichever keeps more of the tile's lanes busy (ties: dw)."""
-    def use(rows, cols):
-        return rows / (-(-rows // mr) * mr) * cols / (-(-cols // nr) * nr)
-    return "linear_dwt" if use(k, m) > 1.02 * use(m, k) else "linear_dw"
 
 
 def _run(a, b, c, ta, tb, op, **kw):

@@ -1,0 +1,56 @@
+"""Blocking arithmetic shared by the fp32 and bf16 GEMM families (ops/gemm.py, ops/gemm_bf16.py):
+rounding to the register tile, the weight-gradient variant, the split of cache blocks over threads
+and the GEMMs a workload's linear layers pose. Pure Python on ints: no kernel here."""
+from __future__ import annotations
+
+
+def round_to(x: int, m: int) -> int:
+    """x rounded up to a multiple of m, at least m."""
+    return max(m, (x + m - 1) // m * m)
+
+
+def _lane_use(m: int, n: int, mr: int, nr: int) -> float:
+    """Fraction of the register tile's lanes an (m, n) C keeps busy."""
+    return m / (-(-m // mr) * mr) * n / (-(-n // nr) * nr)
+
+
+def dw_variant(m: int, k: int, mr: int, nr: int) -> str:
+    """linear_backward's weight gradient (m out, k in): dw = g.T @ x ("linear_dw"), or
+    dw.T = x.T @ g ("linear_dwt") when that fills the register tiles better (13 -> 512: 0.81 vs
+    0.41 of the lanes); at equal use dw is the faster of the two."""
+    return "linear_dwt" if _lane_use(k, m, mr, nr) > 1.02 * _lane_use(m, k, mr, nr) else "linear_dw"
+
+
+def split_for_threads(mc: int, kc: int, m: int, n: int, k: int, threads: int, tile: tuple) -> tuple[int, int, int]:
+    """(mc, kc, nc) for C (m x n) += A (m x k) B (k x n) from chosen (mc, kc) (mc already a multiple
+    of MR): one K pass where a second would be a sliver; row blocks evened out over `threads`, and
+    the columns split too where there are fewer than two row blocks per thread. tile = (MR, NR)."""
+    mr, nr = tile
+    if k <= kc * 5 // 4:  # one pass over K beats a full pass plus a sliver
+        kc = max(k, 1)
+    nib = -(-m // mc)
+    if threads > 1:
+        nib = round_to(nib, threads) if nib >= threads else nib
+        mc = round_to(-(-m // nib), mr)
+        nib = -(-m // mc)
+    nc = round_to(n, nr)
+    if nib < 2 * threads and threads > 1:  # too few row blocks: split the columns too
+        njb = -(-2 * threads // nib)
+        nc = round_to(-(-n // njb), nr)
+    return mc, kc, nc
+
+
+def layer_problems(variant: str, tile):
+    """problems(workload): the (m, n, k, threads) GEMMs of `variant` that a workload's linear layers
+    run; tile() -> (MR, NR) of the family's register tile (read when the problems are asked for)."""
+    def problems(w):
+        mr, nr = tile()
+        for batch, kin, kout in w.linears:
+            for threads in w.threads:
+                if variant == "linear_forward":
+                    yield batch, kout, kin, threads
+                elif variant == "linear_dx":
+                    yield batch, kin, kout, threads
+                elif variant == dw_variant(kout, kin, mr, nr):
+                    yield (kout, kin, batch, threads) if variant == "linear_dw" else (kin, kout, batch, threads)
+    return problems
