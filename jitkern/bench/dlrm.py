@@ -72,19 +72,24 @@ def peak_rss_bytes() -> int:
 # --------------------------------------------------------------------------- PyTorch baseline
 
 
+def _torch_mlp(torch, ws, bs, last):
+    """nn.Sequential of Linear layers with these weights, ReLU after each hidden layer and `last`
+    ("relu", "sigmoid" or None) after the last."""
+    nn = torch.nn
+    layers = []
+    for l, (w, b) in enumerate(zip(ws, bs)):
+        lin = nn.Linear(w.shape[1], w.shape[0])
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(w))
+            lin.bias.copy_(torch.from_numpy(b))
+        act = "relu" if l < len(ws) - 1 else last
+        layers += [lin] + ([nn.ReLU()] if act == "relu" else [nn.Sigmoid()] if act == "sigmoid" else [])
+    return nn.Sequential(*layers)
+
+
 def torch_dlrm(torch, model: DLRM):
     """dlrm_s_pytorch.py's model (dot interaction) with `model`'s current weights."""
     nn = torch.nn
-
-    def mlp(ws, bs, last_sigmoid):
-        layers = []
-        for l, (w, b) in enumerate(zip(ws, bs)):
-            lin = nn.Linear(w.shape[1], w.shape[0])
-            with torch.no_grad():
-                lin.weight.copy_(torch.from_numpy(w))
-                lin.bias.copy_(torch.from_numpy(b))
-            layers += [lin, nn.Sigmoid() if (last_sigmoid and l == len(ws) - 1) else nn.ReLU()]
-        return nn.Sequential(*layers)
 
     class TorchDLRM(nn.Module):
         def __init__(self):
@@ -93,8 +98,8 @@ def torch_dlrm(torch, model: DLRM):
             for w in model.emb:
                 bag = nn.EmbeddingBag(w.shape[0], w.shape[1], mode="sum", sparse=True, _weight=torch.from_numpy(w.copy()))
                 self.emb.append(bag)
-            self.bot = mlp(model.bot_w, model.bot_b, False)
-            self.top = mlp(model.top_w, model.top_b, True)
+            self.bot = _torch_mlp(torch, model.bot_w, model.bot_b, "relu")
+            self.top = _torch_mlp(torch, model.top_w, model.top_b, "sigmoid")
             f = model.num_tables + 1
             self.li = torch.tensor([i for i in range(f) for j in range(i)])
             self.lj = torch.tensor([j for i in range(f) for j in range(i)])
@@ -115,16 +120,6 @@ def torch_dcn(torch, model: DLRM):
     with `model`'s current weights; returns logits."""
     nn = torch.nn
 
-    def linears(ws, bs, last_relu):
-        layers = []
-        for l, (w, b) in enumerate(zip(ws, bs)):
-            lin = nn.Linear(w.shape[1], w.shape[0])
-            with torch.no_grad():
-                lin.weight.copy_(torch.from_numpy(w))
-                lin.bias.copy_(torch.from_numpy(b))
-            layers += [lin] + ([nn.ReLU()] if last_relu or l < len(ws) - 1 else [])
-        return nn.Sequential(*layers)
-
     def params(arrays):
         return nn.ParameterList([nn.Parameter(torch.from_numpy(a.copy())) for a in arrays])
 
@@ -133,9 +128,9 @@ def torch_dcn(torch, model: DLRM):
             super().__init__()
             self.emb = nn.ModuleList(nn.EmbeddingBag(w.shape[0], w.shape[1], mode="sum", sparse=True,
                                                      _weight=torch.from_numpy(w.copy())) for w in model.emb)
-            self.bot = linears(model.bot_w, model.bot_b, True)
+            self.bot = _torch_mlp(torch, model.bot_w, model.bot_b, "relu")
             self.v, self.w, self.b = params(model.cross_v), params(model.cross_w), params(model.cross_b)
-            self.top = linears(model.top_w, model.top_b, False)
+            self.top = _torch_mlp(torch, model.top_w, model.top_b, None)
 
         def forward(self, dense, offsets, indices):
             x = self.bot(dense)

@@ -13,13 +13,12 @@ import functools
 import numba
 import numpy as np
 
-from ..codegen import host_target, tunedb
+from ..codegen import host_target
 from ..codegen.knobs import knob, pow2_class
 from ..codegen.simd import tile_for
-from ..config import choice_token
 from . import _check, gemm_bf16
 from .bf16 import BF16Array
-from .gemm_blocking import dw_variant, layer_problems, split_for_threads
+from .gemm_blocking import BlockChoices, dw_variant, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
 from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transpose_into
 
@@ -100,18 +99,7 @@ BLOCKS = {v: knob(f"gemm.blocks.{v}", doc=f"(mc, kc) cache blocks of {v}",
           for v in VARIANTS}
 
 
-def blocks_for(variant: str, m: int, n: int, k: int, threads: int) -> tuple[int, int, int]:
-    """(mc, kc, nc) for one call: the knob's choice (tuned or heuristic), shaped for the threads."""
-    key = (variant, m, n, k, threads, choice_token(), tunedb.generation())
-    got = _SHAPED.get(key)
-    if got is None:
-        if len(_SHAPED) > 4096:
-            _SHAPED.clear()
-        got = _SHAPED[key] = shape_blocks(BLOCKS[variant].choose((m, n, k, threads)), m, n, k, threads)
-    return got
-
-
-_SHAPED: dict = {}
+blocks_for = BlockChoices(BLOCKS, shape_blocks)
 
 
 def _run(a, b, c, ta, tb, op, **kw):

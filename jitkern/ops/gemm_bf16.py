@@ -12,12 +12,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..codegen import host_target, tunedb
+from ..codegen import host_target
 from ..codegen.knobs import knob, pow2_class
-from ..config import choice_token
 from . import _check
 from .bf16 import BF16Array
-from .gemm_blocking import dw_variant, layer_problems, split_for_threads
+from .gemm_blocking import BlockChoices, dw_variant, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
 from .gemm_bf16_kernel import bf16_tile, gemm_bf16_into, grad_buffer, relu_grad_bf16
 
@@ -76,18 +75,7 @@ BLOCKS = {v: knob(f"gemm.bf16.blocks.{v}", doc=f"(mc, kc) cache blocks of bf16 {
                   problems=layer_problems(v, lambda: bf16_tile()[1:3]), candidates=_candidates, runner=_runner(v))
           for v in VARIANTS}
 
-_SHAPED: dict = {}
-
-
-def blocks_for(variant: str, m: int, n: int, k: int, threads: int) -> tuple[int, int, int]:
-    """(mc, kc, nc) for one call: the knob's choice (tuned or heuristic), shaped for the threads."""
-    key = (variant, m, n, k, threads, choice_token(), tunedb.generation())
-    got = _SHAPED.get(key)
-    if got is None:
-        if len(_SHAPED) > 4096:
-            _SHAPED.clear()
-        got = _SHAPED[key] = shape_blocks(BLOCKS[variant].choose((m, n, k, threads)), m, n, k, threads)
-    return got
+blocks_for = BlockChoices(BLOCKS, shape_blocks)
 
 
 def _run(a, b, c, ta, tb, op, **kw):

@@ -1,7 +1,11 @@
 """Blocking arithmetic shared by the fp32 and bf16 GEMM families (ops/gemm.py, ops/gemm_bf16.py):
 rounding to the register tile, the weight-gradient variant, the split of cache blocks over threads
-and the GEMMs a workload's linear layers pose. Pure Python on ints: no kernel here."""
+and the GEMMs a workload's linear layers pose, and the per-call memo of chosen blocks. Pure Python:
+no kernel here."""
 from __future__ import annotations
+
+from ..codegen import tunedb
+from ..config import choice_token
 
 
 def round_to(x: int, m: int) -> int:
@@ -54,3 +58,21 @@ def layer_problems(variant: str, tile):
                 elif variant == dw_variant(kout, kin, mr, nr):
                     yield (kout, kin, batch, threads) if variant == "linear_dw" else (kin, kout, batch, threads)
     return problems
+
+
+class BlockChoices:
+    """blocks_for(variant, m, n, k, threads) -> (mc, kc, nc) for one call: the family's knob choice
+    (tuned or heuristic) shaped for the threads by `shape`, memoised per call shape, configuration
+    and tuning-DB generation (a GEMM call asks for its blocks every time)."""
+
+    def __init__(self, knobs: dict, shape):
+        self.knobs, self.shape, self.memo = knobs, shape, {}
+
+    def __call__(self, variant: str, m: int, n: int, k: int, threads: int) -> tuple[int, int, int]:
+        key = (variant, m, n, k, threads, choice_token(), tunedb.generation())
+        got = self.memo.get(key)
+        if got is None:
+            if len(self.memo) > 4096:
+                self.memo.clear()
+            got = self.memo[key] = self.shape(self.knobs[variant].choose((m, n, k, threads)), m, n, k, threads)
+        return got

@@ -218,7 +218,7 @@ _KERNELS: dict = {}  # table key -> (token, choices): one entry per table shape 
 def _kernels(rows, dim, bf16, threads, nnz, nbags):
     """(serial_max_work, serial kernel, parallel kernel) of a table at a thread count: the knobs'
     choices, memoised per table and thread count and made again when a setting they depend on
-    changes (choice_token(), tunedb.generation(), as gemm.blocks_for): the DLRM calls once per
+    changes (choice_token(), tunedb.generation(), as gemm_blocking.BlockChoices): the DLRM calls once per
     table per step."""
     token = (choice_token(), tunedb.generation())
     key = (rows, dim, bf16, threads)
