@@ -166,3 +166,15 @@ def test_argument_checks():
             call()
     for a, s in zip((x0, xl, v, w, b, d, u), saved):
         np.testing.assert_array_equal(a, s)
+
+
+def test_bench_ops_runs_at_a_small_scale(capsys):
+    """`python -m jitkern bench ops` (the new ops against NumPy) runs and prints every op's row."""
+    from jitkern.bench.ops import main
+    threads = numba.get_num_threads()
+    assert main(["--scale", "0.01", "--min-time", "0.001"]) == 0   # no --threads: it sets them process-wide
+    assert numba.get_num_threads() == threads
+    out = capsys.readouterr().out
+    for op in ("cross layer", "adagrad_", "split_sgd_", "embedding_bag_adagrad_exact_",
+               "embedding_bag_per_sample_weights_backward", "sigmoid_forward"):
+        assert op in out, out

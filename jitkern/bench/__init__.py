@@ -6,7 +6,7 @@ import sys
 
 from ..config import sleep_idle_workers
 
-BENCHES = ("gemm", "embedding", "interaction", "dlrm", "dist", "data")
+BENCHES = ("gemm", "embedding", "interaction", "ops", "dlrm", "dist", "data")
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,111 @@
+"""python -m jitkern bench ops [--threads N] [--scale F]: the optimizer, cross-layer, sigmoid and
+per-sample-weight ops against NumPy doing the same work, in this process on the same inputs.
+
+Baselines: the same float32 work written in vectorised NumPy (the cross layer's GEMMs through
+NumPy's BLAS; the embedding update through np.add.at, as ops/reference.py coalesces). The ratio is NumPy time / jitkern time (> 1: jitkern is faster). Shapes are the
+MLPerf DLRM-DCNv2's: n = 27 * 128, rank 512, batch 2048, tables of 1M rows at D = 128 with 4
+lookups a sample; --scale shrinks them for a quick look.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from .common import blas_description, do_bench, print_table, set_threads
+
+
+def _cross_numpy(x0, xl, v, w, b, dxn):
+    """The cross layer's forward and backward in NumPy + BLAS (what the op computes)."""
+    u = xl @ v.T
+    yb = u @ w.T + b
+    x_next = x0 * yb + xl
+    dy = dxn * x0
+    du = dy @ w
+    return x_next, dxn * yb, dxn + du @ v, du.T @ xl, dy.T @ u, dy.sum(0)
+
+
+def _adagrad_numpy(p, st, g, lr, eps):
+    st += g * g
+    p -= lr * g / (np.sqrt(st) + eps)
+
+
+def _split_sgd_numpy(hi, lo, g, lr):
+    w = ((hi.bits.astype(np.uint32) << 16) | lo).view(np.float32)
+    w -= np.float32(lr) * g
+    bits = w.view(np.uint32)
+    hi.bits[...], lo[...] = bits >> 16, bits & 0xFFFF
+
+
+def _adagrad_exact_numpy(table, state, idx, off, dout, lr, eps=1e-8):
+    bag = np.repeat(np.arange(len(off)), np.diff(np.append(off, len(idx))))
+    rows, inv = np.unique(idx, return_inverse=True)
+    g = np.zeros((len(rows), table.shape[1]), np.float32)
+    np.add.at(g, inv, dout[bag])
+    state[rows] += g * g
+    table[rows] -= lr * g / (np.sqrt(state[rows]) + eps)
+
+
+def _psw_numpy(table, idx, off, dout):
+    bag = np.repeat(np.arange(len(off)), np.diff(np.append(off, len(idx))))
+    return np.einsum("ij,ij->i", dout[bag], table[idx])
+
+
+def _cases(rng, s):
+    from .. import ops
+    f32 = np.float32
+    n, r, bsz = int(3456 * s) or 1, int(512 * s) or 1, int(2048 * s) or 1
+    x0, xl, dxn = (rng.standard_normal((bsz, n), dtype=f32) for _ in range(3))
+    v, w = (rng.standard_normal(sh, dtype=f32) / 30 for sh in ((r, n), (n, r)))
+    b = rng.standard_normal(n, dtype=f32)
+    x_next, u = ops.cross_layer_forward(x0, xl, v, w, b)
+
+    def jk_cross():
+        xn, uu = ops.cross_layer_forward(x0, xl, v, w, b)
+        ops.cross_layer_backward(dxn, x0, xl, uu, v, w, b)
+
+    size = max(1, int((4 << 20) * s))
+    p, st, g = (rng.standard_normal(size, dtype=f32) for _ in range(3))
+    st = np.abs(st)
+    hi, lo = ops.split_float32(p)
+    rows, dim, lookups = int(1_000_000 * s) or 1, 128, 4
+    table, state = rng.standard_normal((rows, dim), dtype=f32), np.zeros((rows, dim), f32)
+    idx = rng.integers(0, rows, bsz * lookups)
+    off = np.arange(bsz, dtype=np.int64) * lookups
+    dout = rng.standard_normal((bsz, dim), dtype=f32)
+    logits = rng.standard_normal((bsz, 1024), dtype=f32)
+    return [
+        (f"cross layer fwd+bwd {bsz}x{n} r{r}", jk_cross, lambda: _cross_numpy(x0, xl, v, w, b, dxn)),
+        (f"adagrad_ {size:,}", lambda: ops.adagrad_(p, st, g, 1e-6, 1e-8), lambda: _adagrad_numpy(p, st, g, 1e-6, 1e-8)),
+        (f"split_sgd_ {size:,}", lambda: ops.split_sgd_(hi, lo, g, 1e-6),
+         lambda: _split_sgd_numpy(hi, lo, g, 1e-6)),
+        (f"embedding_bag_adagrad_exact_ R={rows:,} D={dim} nnz={idx.size:,}",
+         lambda: ops.embedding_bag_adagrad_exact_(table, state, idx, off, dout, 1e-6),
+         lambda: _adagrad_exact_numpy(table, state, idx, off, dout, 1e-6)),
+        (f"embedding_bag_per_sample_weights_backward nnz={idx.size:,}",
+         lambda: ops.embedding_bag_per_sample_weights_backward(table, idx, off, dout),
+         lambda: _psw_numpy(table, idx, off, dout)),
+        (f"sigmoid_forward {bsz}x1024", lambda: ops.sigmoid_forward(logits),
+         lambda: 1.0 / (1.0 + np.exp(-logits))),
+    ]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jitkern bench ops", description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=None, help="threads for jitkern and the BLAS (default: all)")
+    p.add_argument("--scale", type=float, default=1.0, help="shrink every shape by this factor (default 1)")
+    p.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement (default 0.3)")
+    args = p.parse_args(argv)
+    if not 0 < args.scale <= 1:
+        p.error("--scale must be in (0, 1]")
+    set_threads(args.threads)
+    print(blas_description())
+    rows = []
+    t0 = time.perf_counter()
+    for name, jk, npy in _cases(np.random.default_rng(0), args.scale):
+        tj, tn = do_bench(jk, min_time=args.min_time), do_bench(npy, min_time=args.min_time, min_reps=3)
+        rows.append((name, f"{tj.median * 1e3:.3f} {tj.spread()}", f"{tn.median * 1e3:.3f}", f"{tn.median / tj.median:.2f}"))
+    print_table(("op", "jitkern ms", "numpy ms", "ratio"), rows)
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    return 0
