@@ -72,35 +72,59 @@ def test_builder_memoises_and_specialises():
         get_kernel(KernelSpec.make("_no_such_op"))
 
 
-def test_second_process_loads_from_disk_cache(tmp_path):
-    """A closure-specialised kernel compiled in one process is loaded, not compiled, in the next."""
-    mod = tmp_path / "cachedmod.py"
-    mod.write_text(textwrap.dedent("""
-        from jitkern.codegen import KernelSpec, get_kernel, jit, kernel_factory
+_PROBE_MODULE = textwrap.dedent("""
+    from jitkern.codegen import KernelSpec, get_kernel, jit, kernel_factory
 
-        @kernel_factory("_cache_probe")
-        def factory(spec):
-            k = spec["k"]
+    @kernel_factory("_cache_probe")
+    def factory(spec):
+        k = spec["k"]
 
-            @jit()
-            def f(x):
-                return x * k
-            return f
+        @jit()
+        def scale(x):
+            return x * k
 
-        def run():
-            f = get_kernel(KernelSpec.make("_cache_probe", k=7))
-            assert f(3.0) == 21.0
-            return sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values())
-    """))
-    code = "import cachedmod; print(*cachedmod.run())"
+        @jit()
+        def f(x):  # calls a compiled closure, as the kernels do (the embedding forward, ...)
+            return scale(x)
+        return f
+
+    def run(k=7):
+        f = get_kernel(KernelSpec.make("_cache_probe", k=k))
+        assert f(3.0) == 3.0 * k, (k, f(3.0))
+        symbol = next(iter(f.overloads.values())).fndesc.mangled_name
+        return sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values()), symbol
+""")
+
+
+def _probe(tmp_path, code):
+    """Run `code` in a fresh process that can import the probe module, on one disk cache: stdout lines."""
+    (tmp_path / "cachedmod.py").write_text(_PROBE_MODULE)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                NUMBA_CACHE_DIR=str(tmp_path / "nbcache"))
-    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert first.returncode == 0, first.stderr
-    assert second.returncode == 0, second.stderr
-    assert first.stdout.split() == ["0", "1"]   # compiled
-    assert second.stdout.split() == ["1", "0"]  # loaded from disk
+    done = subprocess.run([sys.executable, "-c", "import cachedmod\n" + code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [line.split() for line in done.stdout.splitlines()]
+
+
+def test_second_process_loads_from_disk_cache(tmp_path):
+    """A closure-specialised kernel compiled in one process is loaded, not compiled, in the next."""
+    first = _probe(tmp_path, "print(*cachedmod.run())")
+    second = _probe(tmp_path, "print(*cachedmod.run())")
+    assert first[0][:2] == ["0", "1"]   # compiled
+    assert second[0][:2] == ["1", "0"]  # loaded from disk
+    assert first[0][2] == second[0][2]  # the same code
+
+
+def test_cached_variants_from_other_processes_keep_their_own_code(tmp_path):
+    """Variants of one factory closure compiled by different processes (MPI ranks, earlier runs)
+    get different symbols, so one process that loads both from the cache runs each one's own code.
+    With numba's function ids counted from 1 in every process, both would be the first function
+    compiled, share one symbol, and the second loaded would call the first one's code."""
+    (seven,), (nine,) = _probe(tmp_path, "print(*cachedmod.run(7))"), _probe(tmp_path, "print(*cachedmod.run(9))")
+    assert seven[1] == nine[1] == "1" and seven[2] != nine[2]
+    both = _probe(tmp_path, "print(*cachedmod.run(7)); print(*cachedmod.run(9))")  # run() checks each result
+    assert [line[:2] for line in both] == [["1", "0"], ["1", "0"]]
 
 
 def test_debug_logging_reports_choice_and_cache(monkeypatch, caplog):

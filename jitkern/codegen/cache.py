@@ -10,14 +10,23 @@
   pickles with a per-process uuid, so every factory kernel that calls another compiled closure
   (the embedding forward and updates) was compiled afresh in every process. `StableKeyCache`
   describes such cells by module, name, bytecode and (recursively) closure instead.
+- Symbol clashes: a compiled function's symbol carries numba's per-process function id, counted
+  from 1 in every process. Two variants of one factory closure (same qualname), compiled by
+  different processes (MPI ranks, earlier runs), could get the same symbol; once both were loaded
+  from the cache into one process, calls bound to whichever same-named (linkonce_odr) definition
+  came first: another variant's code, writing rows of the wrong width. `install()` starts the
+  count at a random 62-bit point per process, so symbols from different processes never meet.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
+import secrets
 from pathlib import Path
 
 from numba.core import caching
+from numba.core.bytecode import FunctionIdentity
 from numba.core.dispatcher import Dispatcher
 from numba.core.serialize import dumps
 
@@ -67,9 +76,18 @@ _LOCATORS = tuple(_package_stamped(b) for b in (caching.UserProvidedCacheLocator
                                                 caching.UserWideCacheLocator))
 
 
+def _process_unique_ids() -> None:
+    """Count numba's function ids from a random point of this process (see the module docstring)."""
+    if not getattr(FunctionIdentity, "_jitkern_random_ids", False):
+        FunctionIdentity._unique_ids = itertools.count(secrets.randbits(62))
+        FunctionIdentity._jitkern_random_ids = True
+
+
 def install() -> None:
     """Put jitkern's locators first in numba's search order (their own conditions still apply:
-    NUMBA_CACHE_DIR first, then a writable __pycache__, then the user-wide cache dir)."""
+    NUMBA_CACHE_DIR first, then a writable __pycache__, then the user-wide cache dir), and make
+    compiled symbols unique across processes."""
+    _process_unique_ids()
     classes = caching.CacheImpl._locator_classes
     if classes[:len(_LOCATORS)] != list(_LOCATORS):
         classes[:0] = [c for c in _LOCATORS if c not in classes]
