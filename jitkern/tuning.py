@@ -2,6 +2,7 @@
 
     python -m jitkern tune                      # the DLRM configs' shapes (kaggle, mlperf, paper-small)
     python -m jitkern tune --quick              # a small candidate set (seconds)
+    python -m jitkern tune --precision bf16     # the bf16 GEMMs' blocks too (fp32 only by default)
     python -m jitkern tune --config kaggle --batch 2048 --knob 'gemm.*' 479,1024
 
 Entries are stored in the tuning DB under this CPU's key (see `python -m jitkern info`); kernels
@@ -47,6 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2048, help="batch size (default 2048)")
     p.add_argument("--threads", type=int, default=0, help="thread count to tune for (default: numba's)")
     p.add_argument("--quick", action="store_true", help="a small candidate set")
+    p.add_argument("--precision", action="append", choices=("fp32", "bf16"),
+                   help="GEMM precisions to tune (repeatable; default fp32: what the DLRM configs run)")
     p.add_argument("--knob", default="*", help="tune only knobs matching this glob (e.g. 'gemm.*')")
     p.add_argument("--list", action="store_true", help="list the declared knobs and exit")
     args = p.parse_args(argv)
@@ -57,10 +60,13 @@ def main(argv=None) -> int:
             print(f"{name:<32} {k.doc}")
         return 0
     threads = (args.threads or _threads(),)
-    work = knobs.Workload(linears=tuple((args.batch, i, o) for i, o in args.layers), threads=threads)
+    precisions = tuple(dict.fromkeys(args.precision or ("fp32",)))
+    work = knobs.Workload(linears=tuple((args.batch, i, o) for i, o in args.layers), threads=threads,
+                          precisions=precisions)
     if not (args.only and args.layers):
         for name in args.config or DEFAULT_CONFIGS:
-            work = work.merged(CONFIGS[name].workload(args.batch, threads))
+            for precision in precisions:
+                work = work.merged(CONFIGS[name].workload(args.batch, threads, precision=precision))
     print(f"tuning for {tunedb.db_key()} -> {get_config().tune_db}")
     t0 = time.perf_counter()
     results = tune.tune(work, quick=args.quick, select=args.knob)

@@ -159,6 +159,34 @@ def test_tuner_stores_entries_and_info_lists_them(db, capsys):
     text = capsys.readouterr().out
     assert host_target().key in text and str(db) in text and "gemm.blocks.linear_dx" in text
     assert tuning.main(["--quick", "--only", "7->5", "--batch", "8", "--knob", "gemm.*"]) == 0
+    assert tuning.main(["--quick", "--only", "7->5", "--batch", "8", "--knob", "gemm.bf16.*", "--precision", "bf16"]) == 0
+    assert "gemm.bf16.blocks.linear_forward" in tunedb.entries()
     assert tuning.main(["--list"]) == 0 and "gemm.blocks.linear_forward" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         tuning.main(["bad"])
+
+
+def test_quick_tune_times_one_table_per_cache_level(db):
+    """A quick tune times one table per cache level that holds it (and width, itemsize, threads)
+    and stores the choice for every shape class of that level; the full tune times each class."""
+    t = host_target()
+    row_bytes = 16 * 4
+    in_l1 = [r for r in (4, 16, 64) if r * row_bytes <= t.l1d]
+    in_l2 = [r for r in (t.l2 // row_bytes // 2, t.l2 // row_bytes // 4) if r * row_bytes > t.l1d]
+    work = knobs.Workload(tables=tuple((r, 16, 1, 64, 4) for r in in_l1 + in_l2), threads=(1,))
+    name = "embedding.update.prefetch.sgd"
+    quick = tune.tune(work, quick=True, select=name, out=None, min_time=0.0)
+    assert len(quick) == bool(in_l1) + bool(in_l2)
+    classes = {f"{knobs.pow2_class(r)}x16x4B/t1" for r in in_l1 + in_l2}
+    assert set(tunedb.entries()[name]) == classes
+    assert len(tune.tune(work, quick=False, select=name, out=None, min_time=0.0)) == len(classes)
+
+
+def test_bf16_gemm_blocks_are_tuned_for_bf16_layers_only():
+    from jitkern.dlrm.configs import CONFIGS
+    fp32, bf16 = knobs.get("gemm.blocks.linear_forward"), knobs.get("gemm.bf16.blocks.linear_forward")
+    work = knobs.Workload(linears=((16, 9, 20),))
+    assert list(fp32.problems(work)) and not list(bf16.problems(work))
+    work = CONFIGS["tiny"].workload(64, precision="bf16")
+    assert work.precisions == ("bf16",) and list(bf16.problems(work)) and not list(fp32.problems(work))
+    assert work.merged(knobs.Workload()).precisions == ("bf16", "fp32")

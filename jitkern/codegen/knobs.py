@@ -12,7 +12,9 @@ tuple the op module defines, e.g. (m, n, k, threads)):
 - `runner(problem, params) -> fn()`: a callable running the kernel with that choice, inputs
   built outside it, for the tuner to time;
 - or, instead of candidates + runner, `search(problem, quick, timer) -> params` for choices
-  found by a search of their own (the work at which threads start to pay).
+  found by a search of their own (the work at which threads start to pay);
+- optionally `quick_class(problem) -> str`: a coarser grouping for the quick tune, which times
+  one problem per quick class and stores its choice for every shape class in it.
 
 `choose(problem)` is what a kernel wrapper calls: the tuned entry for its shape class if one
 exists (tuning DB, codegen/tunedb.py), else the heuristic; memoised per problem and per
@@ -38,18 +40,21 @@ class Workload:
     linears: (batch, in, out) of each fully connected layer (forward and backward are derived);
     tables: (rows, dim, pooling, batch, itemsize) of each embedding table;
     interactions: (batch, features, dim) of each feature interaction;
-    threads: the thread counts the model runs with.
+    threads: the thread counts the model runs with;
+    precisions: the GEMM precisions its linear layers run in ("fp32", "bf16").
     """
     linears: tuple = ()
     tables: tuple = ()
     interactions: tuple = ()
     threads: tuple = (1,)
+    precisions: tuple = ("fp32",)
 
     def merged(self, other: "Workload") -> "Workload":
         def union(a, b):
             return tuple(dict.fromkeys(tuple(a) + tuple(b)))
         return Workload(union(self.linears, other.linears), union(self.tables, other.tables),
-                        union(self.interactions, other.interactions), union(self.threads, other.threads))
+                        union(self.interactions, other.interactions), union(self.threads, other.threads),
+                        union(self.precisions, other.precisions))
 
 
 @dataclass(eq=False)
@@ -62,6 +67,7 @@ class Knob:
     runner: Callable | None = None
     search: Callable | None = None
     doc: str = ""
+    quick_class: Callable | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -85,9 +91,9 @@ class Knob:
 
 
 def knob(name: str, *, heuristic, shape_class, problems, candidates=None, runner=None, search=None,
-         doc: str = "") -> Knob:
+         doc: str = "", quick_class=None) -> Knob:
     """Declare (register) a knob; re-declaring the same name replaces it (module reloads)."""
-    k = Knob(name, heuristic, shape_class, problems, candidates, runner, search, doc)
+    k = Knob(name, heuristic, shape_class, problems, candidates, runner, search, doc, quick_class)
     _REGISTRY[name] = k
     return k
 

@@ -58,37 +58,55 @@ def tune_problem(knob: K.Knob, problem, *, quick: bool, min_time: float) -> Resu
     if knob.search is not None:
         best = dict(knob.search(problem, quick, lambda fn: best_time(fn, min_time)))
         return Result(knob.name, cls, problem, heur, None, best, None, None)
-    h_s = best_time(knob.runner(problem, heur), min_time)
+    runners = [knob.runner(problem, heur)]  # kept until the last candidate: they may share inputs
+    h_s = best_time(runners[0], min_time)
     best, best_s, other_s = heur, h_s, None
     for cand in knob.candidates(problem, quick):
         if _same(cand, heur):
             continue
-        t = best_time(knob.runner(problem, cand), min_time)
+        runners.append(knob.runner(problem, cand))
+        t = best_time(runners[-1], min_time)
         other_s = t if other_s is None else min(other_s, t)
         if t < best_s:
             best, best_s = dict(cand), t
     return Result(knob.name, cls, problem, heur, h_s, best, best_s, other_s)
 
 
+QUICK_MIN_TIME, FULL_MIN_TIME = 0.02, 0.05   # seconds each choice is timed for (at least 3 calls)
+
+
+def plan(knob: K.Knob, workload: K.Workload, *, quick: bool, only_missing: bool = False) -> list:
+    """[(problem to time, [shape classes its choice is stored for])]: one problem per shape class,
+    or in a quick tune one per quick class where the knob declares them (its smallest problem: the
+    quickest to set up)."""
+    groups: dict = {}
+    for problem in knob.problems(workload):
+        if only_missing and knob.tuned(problem) is not None:
+            continue
+        cls = knob.shape_class(problem)
+        key = knob.quick_class(problem) if quick and knob.quick_class is not None else cls
+        rep, classes = groups.get(key, (problem, []))
+        groups[key] = (min(rep, problem), classes + [cls] * (cls not in classes))
+    return list(groups.values())
+
+
 def tune(workload: K.Workload, *, quick: bool = False, select: str = "*", only_missing: bool = False,
-         min_time: float = 0.05, out=print) -> list[Result]:
-    """Tune every registered knob matching `select` (a glob) for the problems of `workload`, one
-    problem per shape class; store the winners; return the results."""
+         min_time: float | None = None, out=print) -> list[Result]:
+    """Tune every registered knob matching `select` (a glob) for the problems of `workload` (see
+    plan); store the winners; return the results."""
+    if min_time is None:
+        min_time = QUICK_MIN_TIME if quick else FULL_MIN_TIME
     results = []
     for name, knob in sorted(K.registered().items()):
         if not fnmatch.fnmatch(name, select):
             continue
-        seen = set()
-        for problem in knob.problems(workload):
-            cls = knob.shape_class(problem)
-            if cls in seen or (only_missing and knob.tuned(problem) is not None):
-                continue
-            seen.add(cls)
+        for problem, classes in plan(knob, workload, quick=quick, only_missing=only_missing):
             r = tune_problem(knob, problem, quick=quick, min_time=min_time)
-            tunedb.store(name, cls, r.best)
+            for cls in classes:
+                tunedb.store(name, cls, r.best)
             results.append(r)
             if out is not None:
-                out(describe(r))
+                out(describe(r) + (f"  (also for {', '.join(classes[1:])})" if len(classes) > 1 else ""))
     return results
 
 

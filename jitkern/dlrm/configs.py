@@ -49,10 +49,11 @@ class ModelConfig:
             kw.update(optimizer=self.optimizer)
         return kw
 
-    def workload(self, batch: int, threads=(1,), itemsize: int = 4) -> Workload:
+    def workload(self, batch: int, threads=(1,), itemsize: int = 4, precision: str = "fp32") -> Workload:
         return dlrm_workload(self.sizes, self.dim, self.bottom, self.top, batch, threads,
                              pooling=self.lookups, interaction=self.interaction, itemsize=itemsize,
-                             cross=(self.dcn_layers, self.dcn_rank) if self.interaction == "dcn" else None)
+                             cross=(self.dcn_layers, self.dcn_rank) if self.interaction == "dcn" else None,
+                             precision=precision)
 
 
 CONFIGS = {
@@ -81,9 +82,10 @@ def interaction_width(num_tables: int, dim: int, interaction: str, self_interact
 
 
 def dlrm_workload(sizes, dim, bottom, top, batch, threads=(1,), *, pooling=1, interaction="dot",
-                  self_interaction=False, itemsize=4, cross=None) -> Workload:
+                  self_interaction=False, itemsize=4, cross=None, precision="fp32") -> Workload:
     """The kernels' shapes in one DLRM step at `batch`: every MLP layer, table and the interaction;
-    cross: (layers, rank) of a dcn model, whose cross layers are two linear layers each (n -> r -> n)."""
+    cross: (layers, rank) of a dcn model, whose cross layers are two linear layers each (n -> r -> n);
+    precision: the MLPs' GEMMs' ("fp32" or "bf16")."""
     top_in = interaction_width(len(sizes), dim, interaction, self_interaction)
     layers = list(zip(bottom[:-1], bottom[1:])) + list(zip([top_in, *top[:-1]], top))
     if cross is not None and cross[0] > 0:
@@ -92,4 +94,4 @@ def dlrm_workload(sizes, dim, bottom, top, batch, threads=(1,), *, pooling=1, in
         linears=tuple(dict.fromkeys((batch, int(i), int(o)) for i, o in layers)),
         tables=tuple(dict.fromkeys((int(r), int(dim), int(pooling), batch, itemsize) for r in sizes)),
         interactions=((batch, len(sizes) + 1, int(dim)),) if interaction == "dot" else (),
-        threads=tuple(threads))
+        threads=tuple(threads), precisions=(precision,))

@@ -183,7 +183,7 @@ class DistributedDLRM(DLRM, comm_variant=True):
                 r0, r1, c0, c1 = s.region
                 k = max(1, round(pooling * (r1 - r0) / s.rows))
                 tables.append((r1 - r0, c1 - c0, k, b if s.kind == "replicate" else batch, self.table_itemsize))
-        return Workload(mine.linears, tuple(dict.fromkeys(tables)), mine.interactions, mine.threads)
+        return Workload(mine.linears, tuple(dict.fromkeys(tables)), mine.interactions, mine.threads, mine.precisions)
 
     # ------------------------------------------------------------------ state (collective)
 

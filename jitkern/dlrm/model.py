@@ -274,7 +274,8 @@ class DLRM(ModelState):
         return dlrm_workload(self.embedding_sizes, self.embedding_dim, self.bottom_mlp, self.top_mlp[1:],
                              batch, threads, pooling=pooling, interaction=self.interaction,
                              self_interaction=self.self_interaction, itemsize=self.table_itemsize,
-                             cross=(self.dcn_layers, self.dcn_rank) if self.interaction == "dcn" else None)
+                             cross=(self.dcn_layers, self.dcn_rank) if self.interaction == "dcn" else None,
+                             precision=self.precision)
 
     @property
     def table_itemsize(self) -> int:

@@ -72,7 +72,7 @@ def _runner(variant):
 BLOCKS = {v: knob(f"gemm.bf16.blocks.{v}", doc=f"(mc, kc) cache blocks of bf16 {v}",
                   heuristic=lambda p, v=v: heuristic_blocks(v, *p),
                   shape_class=lambda p: f"{pow2_class(*p[:3])}t{p[3]}",
-                  problems=layer_problems(v, lambda: bf16_tile()[1:3]), candidates=_candidates, runner=_runner(v))
+                  problems=layer_problems(v, lambda: bf16_tile()[1:3], "bf16"), candidates=_candidates, runner=_runner(v))
           for v in VARIANTS}
 
 blocks_for = BlockChoices(BLOCKS, shape_blocks)

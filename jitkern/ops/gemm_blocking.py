@@ -44,10 +44,13 @@ def split_for_threads(mc: int, kc: int, m: int, n: int, k: int, threads: int, ti
     return mc, kc, nc
 
 
-def layer_problems(variant: str, tile):
+def layer_problems(variant: str, tile, precision: str = "fp32"):
     """problems(workload): the (m, n, k, threads) GEMMs of `variant` that a workload's linear layers
-    run; tile() -> (MR, NR) of the family's register tile (read when the problems are asked for)."""
+    run in `precision` (none if they run in another); tile() -> (MR, NR) of the family's register
+    tile (read when the problems are asked for)."""
     def problems(w):
+        if precision not in w.precisions:
+            return
         mr, nr = tile()
         for batch, kin, kout in w.linears:
             for threads in w.threads:

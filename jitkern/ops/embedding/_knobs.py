@@ -10,11 +10,13 @@ in for later calls'.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import numba
 import numpy as np
 
 from ...codegen.knobs import pow2_class
+from ...codegen.target import host_target
 from ._rows import NO_PSW, empty_table
 from .split_bf16 import SplitBF16Table
 
@@ -37,23 +39,42 @@ def shape_class(problem) -> str:
     return f"{pow2_class(rows)}x{dim}x{itemsize}B/t{threads}"
 
 
+def quick_class(problem) -> str:
+    """The quick tune's coarser grouping: tables held by the same cache level (or by none), of
+    equal width, itemsize and threads. The choices follow where the rows come from."""
+    rows, dim, _, _, itemsize, threads = problem
+    t, nbytes = host_target(), rows * dim * itemsize
+    level = next((name for name, size in (("l1", t.l1d), ("l2", t.l2), ("l3", t.l3)) if nbytes <= size), "dram")
+    return f"{level}x{dim}x{itemsize}B/t{threads}"
+
+
 def call_problem(rows, dim, nnz, nbags, itemsize, threads) -> tuple:
     """The problem one call poses (pooling: the mean bag size)."""
     return rows, dim, max(1, nnz // max(nbags, 1)), nbags, itemsize, threads
 
 
+_TABLES = weakref.WeakValueDictionary()  # (rows, dim, itemsize) -> a table some runner still holds
+
+
 def make_table(problem):
     """A (rows, dim) table of the problem's itemsize with every page touched (a float32 ndarray, or
-    a SplitBF16Table for itemsize 2)."""
+    a SplitBF16Table for itemsize 2). Shared while a runner holds it: the tuner keeps a problem's
+    runners until its last candidate is timed, so a large table is built once per problem."""
     rows, dim, _, _, itemsize, _ = problem
+    key = (rows, dim, itemsize)
+    table = _TABLES.get(key)
+    if table is not None:
+        return table
     if itemsize == 2:
         hi, lo = empty_table(rows, dim, np.uint16), empty_table(rows, dim, np.uint16)
         hi.fill(0x3C23)  # the high half of float32(0.01)
         lo.fill(0xD70A)  # and its low half: exactly float32(0.01)
-        return SplitBF16Table(hi, lo)
-    w = empty_table(rows, dim)
-    w.fill(0.01)
-    return w
+        table = SplitBF16Table(hi, lo)
+    else:
+        table = empty_table(rows, dim)
+        table.fill(0.01)
+    _TABLES[key] = table
+    return table
 
 
 def draw_batches(problem, nbags=None, seed=0):

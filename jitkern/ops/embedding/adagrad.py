@@ -38,6 +38,7 @@ from ._knobs import (
     numba_threads,
     on_threads,
     problems,
+    quick_class,
     shape_class,
 )
 from ._rows import (
@@ -297,11 +298,12 @@ def _parallel_search(problem, quick, timer):
 
 PREFETCH = knob("embedding.update.prefetch.adagrad",
                 doc="entries the row-wise Adagrad prefetches ahead: in its update and in its linking pass",
-                heuristic=lambda p: {"distance": UPDATE_PREFETCH, "link": LINK_PREFETCH}, shape_class=shape_class,
+                heuristic=lambda p: {"distance": UPDATE_PREFETCH, "link": LINK_PREFETCH},
+                shape_class=shape_class, quick_class=quick_class,
                 problems=lambda w: problems(w, itemsizes=(4,)), candidates=_prefetch_candidates,
                 runner=lambda p, params: _timed(p, params, PARALLEL.choose(p)))
 PARALLEL = knob("embedding.parallel.adagrad", doc="indices up to which the hashed Adagrad runs on the calling thread",
-                heuristic=lambda p: {"min_nnz": PARALLEL_MIN_NNZ}, shape_class=shape_class,
+                heuristic=lambda p: {"min_nnz": PARALLEL_MIN_NNZ}, shape_class=shape_class, quick_class=quick_class,
                 problems=lambda w: problems(w, itemsizes=(4,)), search=_parallel_search)
 
 

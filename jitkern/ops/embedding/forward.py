@@ -33,6 +33,7 @@ from ._knobs import (
     numba_threads,
     on_threads,
     problems,
+    quick_class,
     shape_class,
 )
 from ._rows import add_row, bag_end, d_class, madd_row, num_threads, prefetch_distance, prefetch_row, straddles
@@ -199,12 +200,13 @@ def _parallel_search(problem, quick, timer):
 
 
 PREFETCH = knob("embedding.forward.prefetch", doc="rows the forward prefetches ahead, and into which cache",
-                heuristic=_prefetch_heuristic, shape_class=shape_class, problems=problems,
+                heuristic=_prefetch_heuristic, shape_class=shape_class, quick_class=quick_class, problems=problems,
                 candidates=_prefetch_candidates, runner=lambda p, params: _timed(p, params, WIDEN.choose(p)))
 PARALLEL = knob("embedding.parallel.forward", doc="work (nnz * D) up to which the forward runs on the calling thread",
-                heuristic=_parallel_heuristic, shape_class=shape_class, problems=problems, search=_parallel_search)
+                heuristic=_parallel_heuristic, shape_class=shape_class, quick_class=quick_class, problems=problems,
+                search=_parallel_search)
 WIDEN = knob("embedding.bf16.widen.forward", doc="how the forward widens bf16 rows to fp32 (codegen.rowvec)",
-             heuristic=lambda p: {"scheme": "shuffle"}, shape_class=shape_class,
+             heuristic=lambda p: {"scheme": "shuffle"}, shape_class=shape_class, quick_class=quick_class,
              problems=lambda w: problems(w, itemsizes=(2,)),
              candidates=lambda p, quick: [{"scheme": s} for s in WIDEN_SCHEMES],
              runner=lambda p, params: _timed(p, PREFETCH.choose(p), params))

@@ -31,6 +31,7 @@ from ._knobs import (
     numba_threads,
     on_threads,
     problems,
+    quick_class,
     shape_class,
 )
 from ._rows import (
@@ -259,14 +260,15 @@ def _parallel_search(problem, quick, timer):
 
 
 PREFETCH = knob("embedding.update.prefetch.sgd", doc="rows the fused SGD and Split-SGD prefetch ahead",
-                heuristic=lambda p: {"distance": SGD_PREFETCH}, shape_class=shape_class, problems=problems,
+                heuristic=lambda p: {"distance": SGD_PREFETCH}, shape_class=shape_class, quick_class=quick_class,
+                problems=problems,
                 candidates=_prefetch_candidates, runner=lambda p, params: _timed(p, params, WIDEN.choose(p)))
 PARALLEL = knob("embedding.parallel.sgd",
                 doc="work (nnz * D) and table bytes from which the fused SGD uses every thread",
                 heuristic=lambda p: {"min_work": PARALLEL_MIN_WORK, "min_table": PARALLEL_MIN_TABLE},
-                shape_class=shape_class, problems=problems, search=_parallel_search)
+                shape_class=shape_class, quick_class=quick_class, problems=problems, search=_parallel_search)
 WIDEN = knob("embedding.bf16.widen.sgd", doc="how the Split-SGD joins and splits the bf16 halves (codegen.rowvec)",
-             heuristic=lambda p: {"scheme": "shuffle"}, shape_class=shape_class,
+             heuristic=lambda p: {"scheme": "shuffle"}, shape_class=shape_class, quick_class=quick_class,
              problems=lambda w: problems(w, itemsizes=(2,)),
              candidates=lambda p, quick: [{"scheme": s} for s in WIDEN_SCHEMES],
              runner=lambda p, params: _timed(p, PREFETCH.choose(p), params))

@@ -35,7 +35,7 @@ class SplitBF16Table:
     Accepted as `weight` by embedding_bag_forward (reads `hi` only, as bf16) and by
     embedding_bag_sgd_ (reassembles fp32, applies SGD, splits again: exact fp32 SGD).
     """
-    __slots__ = ("hi", "lo")
+    __slots__ = ("hi", "lo", "__weakref__")  # weakly held by the tuner's table memo
 
     def __init__(self, hi, lo):
         for name, a in (("hi", hi), ("lo", lo)):
