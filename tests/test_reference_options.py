@@ -182,11 +182,13 @@ def test_quantized_inference_equals_dequantized_tables(tmp_path, capsys):
 
 def test_one_process_options_are_named_under_mpi():
     from jitkern.dlrm import cli, flags, preflight
-    for argv, text in ((["--optimizer", "rwsadagrad"], "--optimizer rwsadagrad"), (["--qr-flag"], "--qr-flag"),
+    for argv, text in ((["--md-flag"], "--md-flag"), (["--qr-flag"], "--qr-flag"),
                        (["--weighted-pooling", "learned"], "--weighted-pooling learned")):
         with pytest.raises(preflight.PreflightError, match=f"{text}: runs in one process only"):
             cli._one_process_only(flags.parse_args(argv))
     cli._one_process_only(flags.parse_args(["--loss-function", "mse", "--activation-function", "sigmoid"]))
+    for opt in ("adagrad", "rwsadagrad"):                 # the optimizers train under mpiexec too
+        cli._one_process_only(flags.parse_args(["--optimizer", opt]))
 
 
 def test_optimizer_pairs_follow_the_reference():

@@ -197,3 +197,32 @@ def test_sharded_checkpoint_of_one_process_and_version_1_manifests(tmp_path):
     for k, v in fourth.state_dict().items():
         np.testing.assert_array_equal(v, before[k])
     assert os.path.isdir(tmp_path / "v2")
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "rwsadagrad"])
+def test_sharded_checkpoint_of_one_process_keeps_the_optimizer_state_and_resumes_exactly(tmp_path, optimizer):
+    from jitkern.dlrm import dist_checkpoint
+    from jitkern.dlrm.model import DLRM
+    from jitkern.dlrm.synth import random_batch
+    from jitkern.dlrm.train import model_arch
+
+    arch = dict(embedding_sizes=[30, 70], embedding_dim=8, bottom_mlp=[3, 8], top_mlp=[4, 1], interaction="dcn",
+                dcn_layers=1, dcn_rank=4, optimizer=optimizer)
+    rs = np.random.RandomState(0)
+    bs = [random_batch(rs, [30, 70], 3, 16, 2, False) for _ in range(4)]
+    m = DLRM(**arch, seed=1)
+    for b in bs[:2]:
+        m.train_step(b.dense, b.offsets, b.indices, b.labels, 0.05)
+    dist_checkpoint.save_checkpoint(str(tmp_path / "ck"), m, {"step": 2}, model_arch(m))
+    man = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert set(man["arrays"]) == set(m.checkpoint_arrays())       # one process's names, state included
+    assert man["arrays"]["state.emb.1.weight"]["shape"] == list(m.optimizer_state_dict()["state.emb.1.weight"].shape)
+    other = DLRM(**arch, seed=2)
+    dist_checkpoint.load_checkpoint(str(tmp_path / "ck"), other, model_arch(m))
+    for k, v in m.checkpoint_arrays().items():
+        np.testing.assert_array_equal(other.checkpoint_arrays()[k], v, err_msg=k)
+    for b in bs[2:]:
+        for model in (m, other):
+            model.train_step(b.dense, b.offsets, b.indices, b.labels, 0.05)
+    for k, v in m.checkpoint_arrays().items():
+        np.testing.assert_array_equal(other.checkpoint_arrays()[k], v, err_msg=k)

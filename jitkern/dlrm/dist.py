@@ -28,7 +28,8 @@ from .layout import ROW_KINDS, Layout
 from .model import DLRM, StageTimer, StepContext
 from .placement import batch_slices
 from .planner import AUTO, ShardingPlan, plan_sharding
-from .sharding import SGD, ColumnGroup, TableOptimizer, make_shard
+from .optimizers import TableOptimizer
+from .sharding import ColumnGroup, make_shard
 
 __all__ = ["DistributedDLRM", "comm_from_env"]  # comm_from_env: launch.py's, kept importable from here
 
@@ -111,7 +112,8 @@ class DistributedDLRM(DLRM, comm_variant=True):
                 plan = plan_sharding(self.embedding_sizes, self.embedding_dim, req["pooling"], req["batch"],
                                      self.nranks, memory, req["network"] or Network(), kinds=req["sharding"],
                                      nodes=nodes, mlp_bytes=self._mlp_bytes(), top_layers=len(self.top_mlp) - 1,
-                                     dense=dense_estimate(self.bottom_mlp, self.top_mlp, b, cross=self._cross_shape()))
+                                     dense=dense_estimate(self.bottom_mlp, self.top_mlp, b, cross=self._cross_shape()),
+                                     optimizer=self.table_opt.name)
             except ValueError as e:
                 err = str(e)
         plan, err = self.comm.bcast((plan, err), root=0)
@@ -120,8 +122,8 @@ class DistributedDLRM(DLRM, comm_variant=True):
         return plan
 
     def _table_optimizer(self) -> TableOptimizer:
-        """The optimizer every table piece updates through (the model trains its tables by SGD)."""
-        return SGD()
+        """The optimizer every table piece updates through: the model's (optimizer=, table_optimizer=)."""
+        return self.table_opt
 
     def _column_group(self, t: int, spec, opt: TableOptimizer):
         """For a column-sharded table whose optimizer needs whole rows: the communicator of its
@@ -157,6 +159,9 @@ class DistributedDLRM(DLRM, comm_variant=True):
         if self.interaction == "dcn":                  # drawn where one process draws it
             self._init_cross(rs)
         self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
+
+    def _init_table_state(self):
+        """None here: each piece holds the optimizer state of its region (Shard.init)."""
 
     @property
     def emb(self) -> list:
@@ -201,35 +206,62 @@ class DistributedDLRM(DLRM, comm_variant=True):
     def write_region(self, t: int, block) -> None:
         self.shards[t].write(block)
 
+    def table_state(self, t: int):
+        return self.shards[t].state
+
+    def _full(self, s, mine, shape) -> np.ndarray:
+        """Collective: table s's whole array of `shape` ((rows, D); (rows,) for per-row state) from its
+        holders' blocks; mine: this rank's block (None where it holds none). A replica's block, and
+        a whole table's on its holder, is returned as given (the live array where it is one)."""
+        if s.kind == "replicate":
+            return mine
+        if s.kind == "table":
+            full = mine if s.held else np.empty(shape, np.float32)
+            self.comm.Bcast(full, root=s.spec.ranks[0])
+            return full
+        full = np.empty(shape, np.float32)
+        for j, holder in enumerate(s.spec.ranks):
+            r0, r1, c0, c1 = s.spec.region(j, s.rows, self.embedding_dim)
+            if len(shape) == 1 and c0 > 0:
+                continue                            # per-row state: every column piece holds the same
+            target = full[r0:r1] if len(shape) == 1 else full[r0:r1, c0:c1]
+            piece = mine if holder == self.rank else np.empty(target.shape, np.float32)
+            self.comm.Bcast(np.ascontiguousarray(piece), root=holder)
+            target[...] = piece
+        return full
+
     def state_dict(self) -> dict:
         """Collective: the full model on every rank (each piece broadcast from its holder)."""
-        sd = {}
-        for t, s in enumerate(self.shards):
-            if s.kind == "replicate":
-                sd[f"emb.{t}.weight"] = s.read()
-                continue
-            if s.kind == "table" and s.held and isinstance(s.weight, np.ndarray):
-                full = s.weight                     # the live table, as one process's state_dict gives
-            else:
-                full = np.empty((s.rows, self.embedding_dim), np.float32)
-            for j, holder in enumerate(s.spec.ranks):
-                r0, r1, c0, c1 = s.spec.region(j, s.rows, self.embedding_dim)
-                if s.kind == "table":
-                    if full is not s.weight and holder == self.rank:
-                        full[...] = s.read()
-                    self.comm.Bcast(full, root=holder)
-                    continue
-                piece = s.read() if holder == self.rank else np.empty((r1 - r0, c1 - c0), np.float32)
-                self.comm.Bcast(np.ascontiguousarray(piece), root=holder)
-                full[r0:r1, c0:c1] = piece
-            sd[f"emb.{t}.weight"] = full
+        sd = {f"emb.{t}.weight": self._full(s, s.read() if s.held else None, (s.rows, self.embedding_dim))
+              for t, s in enumerate(self.shards)}
         sd.update(self.mlp_state_dict())
         return sd
 
+    def optimizer_state_dict(self) -> dict:
+        """Collective: the full optimizer state on every rank, named as one process names it: the
+        tables' assembled from their pieces, the dense parameters' (the same on every rank) live."""
+        out = self.dense_state_dict()
+        for t, s in enumerate(self.shards):
+            shape = self.table_opt.state_shape(s.rows, self.embedding_dim)
+            if shape is not None:
+                out[f"state.emb.{t}.weight"] = self._full(s, s.state, shape)
+        return out
+
+    def optimizer_state_shapes(self) -> dict:
+        shapes = {k: v.shape for k, v in self.dense_state_dict().items()}
+        for t, rows in enumerate(self.embedding_sizes):
+            shape = self.table_opt.state_shape(rows, self.embedding_dim)
+            if shape is not None:
+                shapes[f"state.emb.{t}.weight"] = shape
+        return shapes
+
     def load_local(self, sd: dict) -> None:
-        """Copy the given, already checked full arrays: each table's piece this rank holds, the MLPs
-        and the cross network."""
+        """Copy the given, already checked full arrays: each table's piece this rank holds (and its
+        optimizer state), the MLPs and the cross network (and theirs)."""
         for name, a in sd.items():
+            if name.startswith("state."):
+                self._load_state(name[len("state."):], a)
+                continue
             kind, idx, what = name.split(".")
             if kind == "emb":
                 s = self.shards[int(idx)]
@@ -241,6 +273,16 @@ class DistributedDLRM(DLRM, comm_variant=True):
             else:
                 ws, bs = (self.bot_w, self.bot_b) if kind == "bot" else (self.top_w, self.top_b)
                 np.copyto((ws if what == "weight" else bs)[int(idx)], a)
+
+    def _load_state(self, name: str, a) -> None:
+        """The optimizer state of parameter `name` from the full array a: a table's, my region of it."""
+        if not name.startswith("emb."):
+            np.copyto(self.opt_state[name], a)
+            return
+        s = self.shards[int(name.split(".")[1])]
+        if s.held:
+            r0, r1, c0, c1 = s.region
+            np.copyto(s.state, a[r0:r1] if a.ndim == 1 else a[r0:r1, c0:c1])
 
     # ------------------------------------------------------------------ stages
 

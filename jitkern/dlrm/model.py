@@ -158,8 +158,8 @@ class DLRM(ModelState):
                              f"{self.qr.threshold} rows (the qr threshold)")
         if self.weighted_pooling is not None and (self.qr is not None or self.md_dims is not None):
             raise ValueError("weighted_pooling with qr or md tables is not supported (nor by the reference)")
-        plain = self.table_opt.name == "sgd" and self.weighted_pooling is None and self.qr is None and self.md_dims is None
-        if self.embedding_precision != "fp32" and not plain:
+        tricks = self.weighted_pooling is not None or self.qr is not None or self.md_dims is not None
+        if self.embedding_precision != "fp32" and (tricks or self.table_opt.name != "sgd"):
             raise ValueError("bf16 Split-SGD tables take SGD only, without qr, md or weighted pooling")
         if self.precision == "bf16" and (self.interaction != "dot" or self.activation != "relu"):
             raise ValueError("precision='bf16' runs the dot interaction and relu hidden layers (bf16 GEMMs "
@@ -168,9 +168,9 @@ class DLRM(ModelState):
         if self.precision == "bf16" and self.comm is not None:
             raise NotImplementedError("precision='bf16' MLPs run in one process; under MPI use precision='fp32' "
                                       "(bf16 tables: embedding_precision='bf16')")
-        if self.comm is not None and not (plain and self.dense_opt.name == "sgd"):
-            raise NotImplementedError("under MPI the DLRM trains plain tables by SGD; the optimizers, qr, md and "
-                                      "weighted pooling run in one process")
+        if self.comm is not None and tricks:
+            raise NotImplementedError("under MPI the DLRM trains plain tables (by any of its optimizers); qr, md "
+                                      "and weighted pooling run in one process")
 
     @property
     def feature_dim(self) -> int:
@@ -227,6 +227,10 @@ class DLRM(ModelState):
         self.opt_state = {}
         for name, p in self.mlp_parameters().items():
             self._add_state(name, self.dense_opt.state(p.shape))
+        self._init_table_state()
+
+    def _init_table_state(self):
+        """Zero optimizer state of the tables and the pooling weights (a sharded model's pieces hold their own)."""
         for t, w in enumerate(self.emb):
             if isinstance(w, np.ndarray):
                 self._add_state(f"emb.{t}.weight", self.table_opt.state(*w.shape))

@@ -126,6 +126,19 @@ class ModelState:
                 out.update({f"state.emb.{t}.{k}": v for k, v in w.states().items()})
         return out
 
+    def dense_state_dict(self) -> dict:
+        """"state.<parameter name>" -> the live optimizer state of every dense parameter (MLPs, cross network)."""
+        return {f"state.{k}": self.opt_state[k] for k in self.mlp_parameters() if k in self.opt_state}
+
+    def table_state(self, t: int):
+        """The live optimizer state of table t's region (table_regions), None for SGD: (rows, width)
+        element-wise, (rows,) per row."""
+        return self.opt_state.get(f"emb.{t}.weight")
+
+    def optimizer_state_shapes(self) -> dict:
+        """name -> shape of everything optimizer_state_dict holds."""
+        return {k: v.shape for k, v in self.optimizer_state_dict().items()}
+
     def checkpoint_arrays(self) -> dict:
         """What a checkpoint holds: the parameters and the optimizer's state."""
         sd = self.state_dict()
@@ -150,7 +163,7 @@ class ModelState:
     def checkpoint_shapes(self) -> dict:
         """name -> shape of everything checkpoint_arrays holds."""
         shapes = self.state_shapes()
-        shapes.update({k: v.shape for k, v in self.optimizer_state_dict().items()})
+        shapes.update(self.optimizer_state_shapes())
         return shapes
 
     def load_state_dict(self, sd: dict) -> None:

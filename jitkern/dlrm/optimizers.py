@@ -46,49 +46,77 @@ class DenseAdagrad(DenseOptimizer):
 
 
 class TableOptimizer:
-    """How a table takes the pooled gradient dout (B, D) of its bags (indices, offsets), fused
-    with the sparse backward. state(rows, width): its state (None: stateless). needs_group:
-    whether a column piece's update needs the other column pieces (a sharded table)."""
+    """How a table (or a piece of one: a sharded table's rows and columns) takes the pooled
+    gradient dout (B, w) of its bags (indices, offsets), fused with the sparse backward.
+
+    state_shape(rows, width) / state(rows, width): the state of a (rows, width) piece (None:
+    stateless), sharded with the piece's rows (and columns, where it has a column per element).
+    update(..., group=): None where the piece holds whole rows; for a column piece, the
+    sharding.ColumnGroup of the table's column pieces, which optimizers whose row update needs the
+    whole row (needs_group) sum over. Element-wise optimizers ignore it.
+    """
     name = "sgd"
     needs_group = False
 
-    def state(self, rows: int, width: int):
+    def state_shape(self, rows: int, width: int):
         return None
 
-    def update(self, weight, state, indices, offsets, dout, lr, *, per_sample_weights=None) -> None:
+    def state(self, rows: int, width: int):
+        shape = self.state_shape(rows, width)
+        return None if shape is None else np.zeros(shape, np.float32)
+
+    def update(self, weight, state, indices, offsets, dout, lr, *, group=None, per_sample_weights=None) -> None:
+        """SGD (fp32 tables, or bf16 Split-SGD pairs: exact fp32 updates), each lookup in order."""
         ops.embedding_bag_sgd_(weight, indices, offsets, dout, lr, per_sample_weights=per_sample_weights)
 
 
 class TableAdagrad(TableOptimizer):
     """Element-wise Adagrad: each row's gradient coalesced, then torch.optim.Adagrad's update;
-    state (rows, width)."""
+    state (rows, width). Each element's update reads only its own column, so a column piece
+    updates alone (no group), bit for bit as the whole table."""
     name = "adagrad"
 
     def __init__(self, eps: float = DEFAULT_EPS):
         self.eps = float(eps)
 
-    def state(self, rows: int, width: int):
-        return np.zeros((rows, width), np.float32)
+    def state_shape(self, rows: int, width: int):
+        return (rows, width)
 
-    def update(self, weight, state, indices, offsets, dout, lr, *, per_sample_weights=None) -> None:
+    def update(self, weight, state, indices, offsets, dout, lr, *, group=None, per_sample_weights=None) -> None:
         ops.embedding_bag_adagrad_exact_(weight, state, indices, offsets, dout, lr, self.eps,
                                          per_sample_weights=per_sample_weights)
 
 
 class RowwiseAdagrad(TableOptimizer):
-    """Row-wise Adagrad: state[r] += mean of the row's coalesced g**2; w[r] -= lr g / (sqrt(state[r]) + eps)."""
+    """Row-wise Adagrad (ops.embedding_bag_adagrad_'s): state[r] += mean over the row's D columns
+    of g**2; w[r] -= lr g / (sqrt(state[r]) + eps); state (rows,). A column piece sees D/k
+    columns: the per-row sums of squares are summed over the column group first (in piece order,
+    identical on every member), then each piece applies the same row steps to its columns, bit for
+    bit as the op on the whole table (fp32 tables)."""
     name = "rowwise_adagrad"
     needs_group = True
 
     def __init__(self, eps: float = DEFAULT_EPS):
         self.eps = float(eps)
 
-    def state(self, rows: int, width: int):
-        return np.zeros(rows, np.float32)
+    def state_shape(self, rows: int, width: int):
+        return (rows,)
 
-    def update(self, weight, state, indices, offsets, dout, lr, *, per_sample_weights=None) -> None:
-        ops.embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, self.eps,
-                                   per_sample_weights=per_sample_weights)
+    def update(self, weight, state, indices, offsets, dout, lr, *, group=None, per_sample_weights=None) -> None:
+        if group is None:
+            ops.embedding_bag_adagrad_(weight, state, indices, offsets, dout, lr, self.eps,
+                                       per_sample_weights=per_sample_weights)
+            return
+        rows, drows = ops.embedding_bag_backward(indices, offsets, dout, weight.shape[0],
+                                                 per_sample_weights=per_sample_weights)
+        g = drows.astype(np.float64)
+        sq = group.sum(np.einsum("ij,ij->i", g, g))                # (U,) over all D columns
+        s_new = (state[rows].astype(np.float64) + sq / group.dim).astype(np.float32)
+        state[rows] = s_new
+        step = (np.float32(lr) / (np.sqrt(s_new.astype(np.float64)) + self.eps)).astype(np.float32)
+        # w - round(step * g): the fused op's w + round(-step * g), row by row
+        ops.embedding_bag_sgd_(weight, rows, np.arange(len(rows), dtype=np.int64), drows, 1.0,
+                               per_sample_weights=step)
 
 
 _DENSE = {"sgd": DenseOptimizer, "adagrad": DenseAdagrad, "rwsadagrad": DenseAdagrad}
