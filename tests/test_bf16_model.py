@@ -101,7 +101,7 @@ def test_bf16_step_layers_match_float64_reference():
     li, lj = ref.interaction_pairs(len(SIZES) + 1)
     assert_close(z, want, np.concatenate([np.abs(values(x)), mag[:, li, lj]], axis=1), 16, "interaction")
 
-    for (dy, xin, w, y, act), kw, (dx, dw, db) in bwd:
+    for (dy, xin, w, y, act, _), kw, (dx, dw, db) in bwd:
         g = values(dy) * (values(y) > 0 if act == "relu" else 1.0)
         gb = ref.bf16_round(g.astype(np.float32)).astype(np.float64)
         x64, w64 = values(xin), hi0[id(w)]
@@ -116,7 +116,7 @@ def test_bf16_step_layers_match_float64_reference():
 
     # the update: exact fp32 SGD on the rejoined weights (Split-SGD), fp32 biases by sgd_
     after = m.state_dict()
-    for (_, xin, w, _, _), _, (_, dw, db) in bwd:
+    for (_, xin, w, _, _, _), _, (_, dw, db) in bwd:
         name = next(k for k, p in m.mlp_parameters().items() if p is w)
         want = ops.sgd_(before[name].copy(), dw, lr)
         np.testing.assert_array_equal(after[name].view(np.uint32), want.view(np.uint32))

@@ -80,17 +80,22 @@ def test_linear_backward_matches_reference(n, k, m, act, seed):
 
 
 @given(n=dims, k=st.sampled_from([1, 3, 13, 17]), m=st.sampled_from([1, 64, 200, 512]),
-       act=st.sampled_from([None, "relu"]), need_dx=st.booleans(), seed=st.integers(0, 99))
-def test_linear_backward_narrow_shapes_and_skipped_dx(n, k, m, act, need_dx, seed):
-    # narrow K against wide M takes the dw.T = x.T @ g route; M = 1 is the click-logit layer
+       act=st.sampled_from([None, "relu"]), need_dx=st.booleans(), outs=st.booleans(), seed=st.integers(0, 99))
+def test_linear_backward_narrow_shapes_and_skipped_dx(n, k, m, act, need_dx, outs, seed):
+    # narrow K against wide M takes the dw.T = x.T @ g route; M = 1 is the click-logit layer;
+    # outs: into caller-given buffers (NaN-filled: every element must be written)
     rng = np.random.default_rng(seed)
     x, w, b = arrays(rng, n, k), arrays(rng, m, k), arrays(rng, m)
     y = ref.linear_forward(x, w, b, activation=act)
     dy = arrays(rng, n, m)
-    dx, dw, db = linear_backward(dy, x, w, y, activation=act, need_dx=need_dx)
+    given_dx = np.full((n, k), np.nan, np.float32) if outs and need_dx else None
+    given_dw = np.full((m, k), np.nan, np.float32) if outs else None
+    dx, dw, db = linear_backward(dy, x, w, y, activation=act, need_dx=need_dx, out_dx=given_dx, out_dw=given_dw)
     rdx, rdw, rdb = ref.linear_backward(dy, x, w, y, activation=act, need_dx=need_dx)
     ady = np.abs(dy).astype(np.float64)
     assert (dx is None) == (rdx is None) == (not need_dx)
+    if outs:
+        assert dw is given_dw and dx is given_dx
     if need_dx:
         assert_close(dx, rdx, ady @ np.abs(w), m)
     assert dw.flags.c_contiguous
@@ -313,3 +318,16 @@ def test_gemm_kernel_loads_from_disk_cache_in_a_new_process():
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr
     assert any("gemm[" in line and "loaded from disk cache" in line for line in runs[1].stderr.splitlines()), \
         runs[1].stderr
+
+
+def test_linear_backward_rejects_bad_outputs():
+    rng = np.random.default_rng(0)
+    x, w, dy = arrays(rng, 8, 5), arrays(rng, 3, 5), arrays(rng, 8, 3)
+    with pytest.raises(ValueError, match="out_dx must have shape"):
+        linear_backward(dy, x, w, out_dx=np.empty((8, 4), np.float32))
+    with pytest.raises(TypeError, match="out_dw must be a float32"):
+        linear_backward(dy, x, w, out_dw=np.empty((3, 5), np.float64))
+    with pytest.raises(ValueError, match="out_dw must not overlap"):
+        linear_backward(dy, x, w, out_dw=w)
+    with pytest.raises(ValueError, match="out_dx is given but need_dx is False"):
+        linear_backward(dy, x, w, need_dx=False, out_dx=np.empty((8, 5), np.float32))

@@ -160,8 +160,8 @@ def test_linear_forward_matches_reference(path, n, k, m, bias, act, out_dtype, s
 
 @pytest.mark.parametrize("path", ISAS)
 @given(n=dims, k=dims, m=dims, act=st.sampled_from([None, "relu"]), grads=st.sampled_from(["float32", "bfloat16"]),
-       dx_dtype=out_dtypes, need_dx=st.booleans(), seed=st.integers(0, 99))
-def test_linear_backward_matches_reference(path, n, k, m, act, grads, dx_dtype, need_dx, seed):
+       dx_dtype=out_dtypes, need_dx=st.booleans(), outs=st.booleans(), seed=st.integers(0, 99))
+def test_linear_backward_matches_reference(path, n, k, m, act, grads, dx_dtype, need_dx, outs, seed):
     rng = np.random.default_rng(seed)
     x, w = bf16(rng, n, k), bf16(rng, m, k)
     b = rng.standard_normal(m, dtype=np.float32)
@@ -169,9 +169,18 @@ def test_linear_backward_matches_reference(path, n, k, m, act, grads, dx_dtype, 
     dy = rng.standard_normal((n, m), dtype=np.float32)
     if grads == "bfloat16":
         dy = BF16Array.from_float32(dy)
+    given_dx = given_dw = None
+    if outs:  # caller-given buffers, NaN-filled: every element must be written
+        given_dw = np.full((m, k), np.nan, np.float32)
+        if need_dx:
+            given_dx = (BF16Array(np.full((n, k), 0x7FC0, np.uint16)) if dx_dtype == "bfloat16"
+                        else np.full((n, k), np.nan, np.float32))
     with isa(path):
-        dx, dw, db = linear_backward(dy, x, w, y, activation=act, need_dx=need_dx, dx_dtype=dx_dtype)
+        dx, dw, db = linear_backward(dy, x, w, y, activation=act, need_dx=need_dx, dx_dtype=dx_dtype,
+                                     out_dx=given_dx, out_dw=given_dw)
     rdx, rdw, rdb = ref.linear_backward_bf16(dy, x, w, y, activation=act, need_dx=need_dx, dx_dtype=dx_dtype)
+    if outs:
+        assert dw is given_dw and dx is given_dx
     g = np.abs(ref.bf16_round(values(dy).astype(np.float32)).astype(np.float64))  # |the GEMMs' operand|
     assert (dx is None) == (not need_dx)
     if need_dx:

@@ -357,14 +357,18 @@ class DLRM(ModelState):
         y = ops.linear_forward(h, w, b, activation="relu" if act == "relu" else None, out=out)
         return ops.sigmoid_forward(y, out=y) if act == "sigmoid" else y
 
-    def _layer_backward(self, dy, x, w, y, act, need_dx=True):
-        """(dx, dw, db) of _layer_forward; y: its output. A SplitWeight w: bf16 GEMMs, dx bf16 (what
-        the layer below and the interaction read), dw and db fp32."""
+    def _layer_backward(self, dy, x, w, y, act, outs, need_dx=True):
+        """(dx, dw, db) of _layer_forward; y: its output; outs: (out_dx, out_dw), the step buffers
+        they are written to. A SplitWeight w: bf16 GEMMs, dx bf16 (what the layer below and the
+        interaction read), dw and db fp32."""
+        out_dx, out_dw = outs
         if isinstance(w, SplitWeight):
-            return ops.linear_backward(dy, x, w.hi, y, activation=act, need_dx=need_dx, dx_dtype="bfloat16")
+            return ops.linear_backward(dy, x, w.hi, y, activation=act, need_dx=need_dx, dx_dtype="bfloat16",
+                                       out_dx=out_dx, out_dw=out_dw)
         if act == "sigmoid":
             dy = ops.sigmoid_backward(dy, y)
-        return ops.linear_backward(dy, x, w, y, activation="relu" if act == "relu" else None, need_dx=need_dx)
+        return ops.linear_backward(dy, x, w, y, activation="relu" if act == "relu" else None, need_dx=need_dx,
+                                   out_dx=out_dx, out_dw=out_dw)
 
     def bottom_forward(self, ctx: StepContext):
         """x = bottom MLP(dense); dense: (b, n_dense) -> x: (b, D), the activation after every layer."""
@@ -483,7 +487,8 @@ class DLRM(ModelState):
             for l in range(last, -1, -1):
                 x = z if l == 0 else ctx.buf.top[l - 1]
                 act = None if l == last else self.activation
-                dy, dw, db = self._layer_backward(dy, x, self.top_w[l], ctx.buf.top[l], act)
+                outs = ctx.buf.grads("top", l, (self.top_mlp[l + 1], self.top_mlp[l]), True)
+                dy, dw, db = self._layer_backward(dy, x, self.top_w[l], ctx.buf.top[l], act, outs)
                 grads[l] = (dw, db)
                 self.layer_done(ctx, "top", (l, dw, db))
             return dy, grads
@@ -509,7 +514,8 @@ class DLRM(ModelState):
             first = ctx.buf.dense16 if self.precision == "bf16" else ctx.dense    # what layer 0 read
             for l in range(len(self.bot_w) - 1, -1, -1):
                 x = first if l == 0 else ctx.buf.bot[l - 1]
-                dy, dw, db = self._layer_backward(dy, x, self.bot_w[l], ctx.buf.bot[l], self.activation,
+                outs = ctx.buf.grads("bottom", l, (self.bottom_mlp[l + 1], self.bottom_mlp[l]), l > 0)
+                dy, dw, db = self._layer_backward(dy, x, self.bot_w[l], ctx.buf.bot[l], self.activation, outs,
                                                   need_dx=l > 0)
                 grads[l] = (dw, db)
                 self.layer_done(ctx, "bottom", (l, dw, db))

@@ -74,6 +74,17 @@ class Buffers:
         self.dense16 = _bf16(b, model.num_dense) if bf16 else None
         self.pooled16 = _bf16(model.num_tables, b, model.feature_dim) if bf16 else None
         self.ly16 = [self.pooled16[t] for t in range(model.num_tables)] if bf16 else None
+        self._act, self._grads = act, {}
+
+    def grads(self, mlp: str, layer: int, shape: tuple, need_dx: bool) -> tuple:
+        """(out_dx, out_dw) of one MLP layer's backward (shape: its weight's (out, in)); dx of the
+        activations' type, None without need_dx. Made at first use: inference never needs them."""
+        key = (mlp, layer, need_dx)
+        got = self._grads.get(key)
+        if got is None:
+            dx = self._act(self.size, shape[1]) if need_dx else None
+            got = self._grads[key] = (dx, np.empty(shape, np.float32))
+        return got
 
 
 @dataclass

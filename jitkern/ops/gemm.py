@@ -20,7 +20,7 @@ from . import _check, gemm_bf16
 from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
-from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transpose_into
+from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transposed_buffer, transpose_into
 
 
 def tile_shape(isa: str | None = None) -> tuple[int, int, int]:
@@ -176,14 +176,17 @@ def linear_forward(x, w, b=None, *, activation=None, out=None, out_dtype=None):
     return _run(x, w, y, False, True, "linear_forward", bias=b, relu=relu)
 
 
-def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None):
+def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None, out_dx=None, out_dw=None):
     """Gradients of linear_forward; dy, y: (N, M), x: (N, K), w: (M, K) -> dx (N, K), dw (M, K), db (M,).
 
     need_dx=False skips dx (returned as None): the first layer's input gradient is never used.
+    out_dx, out_dw: caller-given outputs (buffers reused step after step: fresh multi-MB arrays
+    cost a page fault per 4 KiB on every call).
     With BF16Array x and w: bf16 GEMMs; dw, db float32, dx float32 or bf16 (dx_dtype).
     """
     if isinstance(x, BF16Array) or isinstance(w, BF16Array):
-        return gemm_bf16.linear_backward(dy, x, w, y, activation=activation, need_dx=need_dx, dx_dtype=dx_dtype)
+        return gemm_bf16.linear_backward(dy, x, w, y, activation=activation, need_dx=need_dx, dx_dtype=dx_dtype,
+                                         out_dx=out_dx, out_dw=out_dw)
     _fp32_only("dx_dtype", dx_dtype)
     relu = _activation(activation)
     dy, x, w = (_check.float_array(name, v, ndim=2) for name, v in (("dy", dy), ("x", x), ("w", w)))
@@ -197,20 +200,36 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
         if y is None:
             raise ValueError("y (the forward output) is required with activation='relu'")
         y = _check.float_array("y", y, ndim=2, shape=dy.shape)
+    dx, dw = _grad_outputs((n, k) if need_dx else None, (m, k), out_dx, out_dw, dy, x, w, y)
     db = np.empty(m, np.float32)
     g = grad_buffer(n * m).reshape(n, m) if relu and n * m else dy
     if n * m:
         relu_grad(dy, y if relu else _NO_Y, g, db, relu)
     else:
         db[:] = 0.0
-    dx = _run(g, w, np.empty((n, k), np.float32), False, False, "linear_dx") if need_dx else None
+    if need_dx:
+        _run(g, w, dx, False, False, "linear_dx")
     mr, nr, _ = tile_shape()
     if dw_variant(m, k, mr, nr) == "linear_dwt":
-        dw = np.empty((m, k), np.float32)
-        transpose_into(_run(x, g, np.empty((k, m), np.float32), True, False, "linear_dwt"), dw)
+        transpose_into(_run(x, g, transposed_buffer(k * m).reshape(k, m), True, False, "linear_dwt"), dw)
     else:
-        dw = _run(g, x, np.empty((m, k), np.float32), True, False, "linear_dw")
+        _run(g, x, dw, True, False, "linear_dw")
     return dx, dw, db
+
+
+def _grad_outputs(dx_shape, dw_shape, out_dx, out_dw, *inputs):
+    """(dx, dw) float32 arrays to write: the caller's (checked) or new; dx None when dx_shape is."""
+    dx = out_dx
+    if dx_shape is None:
+        if out_dx is not None:
+            raise ValueError("out_dx is given but need_dx is False")
+    elif out_dx is None:
+        dx = np.empty(dx_shape, np.float32)
+    else:
+        _check.output("out_dx", out_dx, dx_shape, *inputs)
+    if out_dw is None:
+        return dx, np.empty(dw_shape, np.float32)
+    return dx, _check.output("out_dw", out_dw, dw_shape, *inputs, dx)
 
 
 _NO_Y = np.zeros((1, 1), np.float32)  # relu_grad's y when there is no ReLU (never read)

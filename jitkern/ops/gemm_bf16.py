@@ -19,6 +19,7 @@ from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
 from .gemm_bf16_kernel import bf16_tile, gemm_bf16_into, grad_buffer, relu_grad_bf16
+from .gemm_kernel import transpose_into, transposed_buffer
 
 VARIANTS = ("gemm", "linear_forward", "linear_dx", "linear_dw", "linear_dwt")
 OUT_DTYPES = (None, "float32", "bfloat16")
@@ -174,9 +175,10 @@ def linear_forward(x, w, b=None, *, activation=None, out=None, out_dtype=None):
     return res
 
 
-def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None):
+def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None, out_dx=None, out_dw=None):
     """Gradients of linear_forward on bf16 operands; dy, y: (N, M) float32 or BF16Array, x: (N, K),
-    w: (M, K) BF16Array -> dx (N, K) float32 or BF16Array (dx_dtype), dw (M, K) float32, db (M,) float32.
+    w: (M, K) BF16Array -> dx (N, K) float32 or BF16Array (dx_dtype), dw (M, K) float32, db (M,) float32;
+    out_dx (of dx's type), out_dw: caller-given outputs.
 
     The GEMMs read dy (masked by y > 0 with activation='relu') rounded to bf16; db sums it unrounded.
     """
@@ -194,6 +196,11 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
         if y is None:
             raise ValueError("y (the forward output) is required with activation='relu'")
         y = _grad_operand("y", y, dy.shape)
+    if out_dx is not None and not need_dx:
+        raise ValueError("out_dx is given but need_dx is False")
+    given_dx = getattr(out_dx, "bits", out_dx)
+    dw = np.empty((m, k), np.float32) if out_dw is None else _check.output("out_dw", out_dw, (m, k), dy, y, x, w,
+                                                                            given_dx)
     db = np.empty(m, np.float32)
     write_g = relu or dy.dtype != np.uint16
     g = grad_buffer(n * m).reshape(n, m) if write_g else dy
@@ -203,11 +210,11 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
         db[:] = 0.0
     dx = None
     if need_dx:
-        target, dx = _output("dx", None, dx_dtype, (n, k))
+        target, dx = _output("dx", out_dx, dx_dtype, (n, k), dy, y, x, w)
         _run(g, w, target, False, False, "linear_dx")
     _, mr, nr, _ = bf16_tile()
     if dw_variant(m, k, mr, nr) == "linear_dwt":
-        dw = np.ascontiguousarray(_run(x, g, np.empty((k, m), np.float32), True, False, "linear_dwt").T)
+        transpose_into(_run(x, g, transposed_buffer(k * m).reshape(k, m), True, False, "linear_dwt"), dw)
     else:
-        dw = _run(g, x, np.empty((m, k), np.float32), True, False, "linear_dw")
+        _run(g, x, dw, True, False, "linear_dw")
     return dx, dw, db

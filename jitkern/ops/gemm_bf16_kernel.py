@@ -15,7 +15,6 @@ Everything here works in elements of the flat arrays; bf16 values travel as thei
 from __future__ import annotations
 
 import functools
-import threading
 
 import numpy as np
 from numba import prange
@@ -24,6 +23,7 @@ from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
 from ..codegen.bf16 import widen
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16, widen_bf16
+from .gemm_kernel import thread_buffer
 
 
 @jit(inline="always")
@@ -359,24 +359,10 @@ def _kernel(isa: str, out_bf16: bool):
                                       out_bf16=int(out_bf16)))
 
 
-_SCRATCH = threading.local()
-
-
-def _buffer(name: str, dtype, size: int) -> np.ndarray:
-    """This thread's scratch `name` of at least `size` elements, 64-byte aligned, kept between calls."""
-    buf = getattr(_SCRATCH, name, None)
-    if buf is None or buf.size < size:
-        raw = np.empty(max(size, 2 * (0 if buf is None else buf.size)) + 64, dtype)
-        skip = (-raw.ctypes.data % 64) // raw.itemsize
-        buf = raw[skip:skip + raw.size - 64]
-        setattr(_SCRATCH, name, buf)
-    return buf
-
-
 def grad_buffer(size: int) -> np.ndarray:
     """This thread's uint16 buffer for the masked bf16 output gradient (consumed before
     linear_backward returns): multi-MB buffers allocated per call would pay their page faults."""
-    return _buffer("grad", np.uint16, size)[:size]
+    return thread_buffer("grad16", np.uint16, size)
 
 
 _DUMMY_F32 = np.zeros(1, np.float32)
@@ -396,10 +382,10 @@ def gemm_bf16_into(a, b, c, ta, tb, blocks, *, bias=None, relu=False):
     tasks = -(-m // mc) * -(-n // nc)
     kcp = (max(kc, 1) + 1) // 2 * 2
     if native:
-        ws = _buffer("ws16", np.uint16, -(-n // nr) * ((k + 1) // 2 * 2 * nr + 32) + tasks * -(-mc // mr) * mr * kcp)
+        ws = thread_buffer("ws16", np.uint16, -(-n // nr) * ((k + 1) // 2 * 2 * nr + 32) + tasks * -(-mc // mr) * mr * kcp)
     else:
-        ws = _buffer("ws32", np.float32, -(-n // nr) * (k * nr + 16) + tasks * -(-mc // mr) * mr * kcp)
-    part = _buffer("part", np.float32, tasks * mc * nc) if out_bf16 else _DUMMY_F32
+        ws = thread_buffer("ws32", np.float32, -(-n // nr) * (k * nr + 16) + tasks * -(-mc // mr) * mr * kcp)
+    part = thread_buffer("part", np.float32, tasks * mc * nc) if out_bf16 else _DUMMY_F32
     _kernel(isa, out_bf16)(a, b, c, _DUMMY_F32 if bias is None else bias, ws, part, (m, n, k), (mc, kc, nc),
                            (bool(ta), bool(tb), bias is not None, bool(relu)))
     return c

@@ -269,22 +269,28 @@ def _kernel(isa: str):
 _SCRATCH = threading.local()
 
 
-def _workspace(size: int) -> np.ndarray:
-    """This thread's packing scratch of at least `size` floats, kept between calls: freshly
-    allocated multi-MB buffers come from mmap, and every call would pay their page faults."""
-    ws = getattr(_SCRATCH, "ws", None)
-    if ws is None or ws.size < size:
-        ws = np.empty(max(size, 2 * (0 if ws is None else ws.size)), np.float32)
-        _SCRATCH.ws = ws
-    return ws
+def thread_buffer(name: str, dtype, size: int) -> np.ndarray:
+    """This thread's scratch `name` of `size` elements, 64-byte aligned, kept between calls (its
+    user is done with it before returning): multi-MB buffers allocated per call would pay their
+    page faults every time."""
+    buf = getattr(_SCRATCH, name, None)
+    if buf is None or buf.size < size:
+        raw = np.empty(max(size, 2 * (0 if buf is None else buf.size)) + 64, dtype)
+        skip = (-raw.ctypes.data % 64) // raw.itemsize
+        buf = raw[skip:skip + raw.size - 64]
+        setattr(_SCRATCH, name, buf)
+    return buf[:size]
 
 
 def grad_buffer(size: int) -> np.ndarray:
     """This thread's buffer for the masked output gradient (consumed before linear_backward returns)."""
-    buf = getattr(_SCRATCH, "grad", None)
-    if buf is None or buf.size < size:
-        buf = _SCRATCH.grad = np.empty(max(size, 2 * (0 if buf is None else buf.size)), np.float32)
-    return buf[:size]
+    return thread_buffer("grad", np.float32, size)
+
+
+def transposed_buffer(size: int) -> np.ndarray:
+    """This thread's buffer for a weight gradient computed transposed (linear_dwt), consumed by the
+    transpose into the caller's array before linear_backward returns."""
+    return thread_buffer("dwt", np.float32, size)
 
 
 _DUMMY = np.zeros(1, np.float32)
@@ -303,7 +309,7 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     mc, kc, nc = blocks
     mr, nr, _ = tile_for(isa)
     need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * (max(kc, 1) * mr + 16)
-    args = (a, b, c, _DUMMY if bias is None else bias, _workspace(need), (m, n, k),
+    args = (a, b, c, _DUMMY if bias is None else bias, thread_buffer("ws", np.float32, need), (m, n, k),
             (np.float32(alpha), np.float32(beta)), (mc, kc, nc), (bool(ta), bool(tb), bias is not None, bool(relu)))
     kern = _kernel(isa)
     try:
