@@ -21,11 +21,13 @@ import numpy as np
 
 from ..codegen.knobs import Workload
 from ..config import get_config
+from ..ops.bf16 import BF16Array
 from .costmodel import Network, dense_estimate
 from .exchange import CommStat, Exchange
 from .launch import comm_from_env, describe_ranks, install_fault_handlers, node_groups
 from .layout import ROW_KINDS, Layout
 from .model import DLRM, StageTimer, StepContext
+from .model_state import SplitWeight
 from .placement import batch_slices
 from .planner import AUTO, ShardingPlan, plan_sharding
 from .optimizers import TableOptimizer
@@ -155,10 +157,7 @@ class DistributedDLRM(DLRM, comm_variant=True):
             shard.init(rs)
         self._held = [s for s in self.shards if s.held and s.kind != "replicate"]
         self._replicas = [s for s in self.shards if s.kind == "replicate"]
-        self.bot_w, self.bot_b = self._init_mlp(rs, self.bottom_mlp)
-        if self.interaction == "dcn":                  # drawn where one process draws it
-            self._init_cross(rs)
-        self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
+        self._init_dense(rs)                           # drawn where one process draws it
 
     def _init_table_state(self):
         """None here: each piece holds the optimizer state of its region (Shard.init)."""
@@ -272,7 +271,11 @@ class DistributedDLRM(DLRM, comm_variant=True):
                 np.copyto({"v": self.cross_v, "w": self.cross_w, "b": self.cross_b}[what][int(idx)], a)
             else:
                 ws, bs = (self.bot_w, self.bot_b) if kind == "bot" else (self.top_w, self.top_b)
-                np.copyto((ws if what == "weight" else bs)[int(idx)], a)
+                p = (ws if what == "weight" else bs)[int(idx)]
+                if isinstance(p, SplitWeight):
+                    p.assign(a)
+                else:
+                    np.copyto(p, a)
 
     def _load_state(self, name: str, a) -> None:
         """The optimizer state of parameter `name` from the full array a: a table's, my region of it."""
@@ -353,7 +356,10 @@ class DistributedDLRM(DLRM, comm_variant=True):
         """My slice's pooled rows of every table, once the alltoall is in: T arrays (b, D)."""
         self.exchange.wait(ctx.alltoall)
         with self.timer("embedding_fwd"):
-            return [s.assemble(ctx) for s in self.shards]
+            ly = [s.assemble(ctx) for s in self.shards]
+            if self.precision == "bf16":            # what the bf16 interaction reads
+                return [BF16Array.from_float32(piece, out=out) for piece, out in zip(ly, ctx.buf.ly16)]
+            return ly
 
     def loss_forward(self, ctx: _DistStep, logits):
         """My slice's loss; in training, post the allreduce of every rank's share of the global loss."""

@@ -165,9 +165,6 @@ class DLRM(ModelState):
             raise ValueError("precision='bf16' runs the dot interaction and relu hidden layers (bf16 GEMMs "
                              f"with the ReLU fused), got interaction={self.interaction!r}, "
                              f"activation={self.activation!r}")
-        if self.precision == "bf16" and self.comm is not None:
-            raise NotImplementedError("precision='bf16' MLPs run in one process; under MPI use precision='fp32' "
-                                      "(bf16 tables: embedding_precision='bf16')")
         if self.comm is not None and tricks:
             raise NotImplementedError("under MPI the DLRM trains plain tables (by any of its optimizers); qr, md "
                                       "and weighted pooling run in one process")
@@ -182,14 +179,19 @@ class DLRM(ModelState):
         # projections draw from torch's stream (emulated), which every table's module consumes from.
         gen = TorchGenerator(int(self.seed)) if (self.qr is not None or self.md_dims is not None) else None
         self.emb = [self._new_table(t, rs, gen) for t in range(self.num_tables)]
+        self._init_dense(rs)
+        learned = self.weighted_pooling == "learned"
+        self.pool_w = [np.ones(r, np.float32) for r in self.embedding_sizes] if learned else None
+
+    def _init_dense(self, rs):
+        """The MLPs and the cross network, drawn after the tables in DLRM_DCN's order: dense arch,
+        crossnet, over arch."""
         self.bot_w, self.bot_b = self._init_mlp(rs, self.bottom_mlp)
-        if self.interaction == "dcn":                   # DLRM_DCN's order: dense arch, crossnet, over arch
+        if self.interaction == "dcn":
             self._init_cross(rs)
         self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
         if self.precision == "bf16":            # weights as Split pairs; biases stay fp32 (the epilogue's)
             self.bot_w, self.top_w = ([SplitWeight(w) for w in ws] for ws in (self.bot_w, self.top_w))
-        learned = self.weighted_pooling == "learned"
-        self.pool_w = [np.ones(r, np.float32) for r in self.embedding_sizes] if learned else None
 
     def _new_table(self, t, rs, gen):
         """Table t as the reference builds it: plain, quotient-remainder or mixed-dimension."""

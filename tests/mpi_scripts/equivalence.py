@@ -2,6 +2,9 @@
 
 usage: mpiexec -n P python equivalence.py BATCH STEPS INTERACTION SELF_INTERACTION [PRECISION [OPTIMIZER]]
 
+PRECISION: fp32; bf16 (bf16 Split-SGD tables, fp32 MLPs); bf16-all (precision="bf16": bf16 MLPs,
+interaction and tables).
+
 OPTIMIZER: the model's optimizer= (sgd; adagrad: Adagrad MLPs and element-wise Adagrad tables;
 rwsadagrad); the optimizer state is compared too.
 """
@@ -36,8 +39,11 @@ def refusals(arch, comm):
 def main(batch, steps, interaction, self_interaction, precision, optimizer):
     comm = comm_from_env()
     arch = dict(embedding_sizes=SIZES, embedding_dim=DIM, bottom_mlp=[5, 24, DIM], top_mlp=[20, 1],
-                interaction=interaction, self_interaction=self_interaction, seed=7,
-                embedding_precision=precision, optimizer=optimizer)
+                interaction=interaction, self_interaction=self_interaction, seed=7, optimizer=optimizer)
+    if precision == "bf16-all":
+        arch.update(precision="bf16")
+    else:
+        arch.update(embedding_precision=precision)
     lr = 0.2 if optimizer == "sgd" else 0.02
     if interaction == "dcn":
         arch.update(dcn_layers=2, dcn_rank=6)
