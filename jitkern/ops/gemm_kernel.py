@@ -214,12 +214,13 @@ def _gemm_factory(spec: KernelSpec):
         ta, tb, use_bias, relu = flags
         npan = (n + NR - 1) // NR
         # Pack B into k-major NR-wide panels (panel p at p * ps) when tb, when B's row stride is
-        # a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets), or when 16 or
-        # more row tiles reuse each panel (packed: one aligned cache line per NR floats instead
-        # of lines split at B's row stride; the copy is then a small share of the traffic).
+        # a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets) and more than two
+        # row tiles reuse each panel (for one or two the copy costs more than the conflicts), or
+        # when 16 or more row tiles reuse each panel (packed: one aligned cache line per NR
+        # floats instead of lines split at B's row stride; the copy is then a small share).
         # Otherwise B's rows are already k-major: full panels are read in place (row stride n)
         # and only a ragged last panel is packed, zero-padded, into panel 0 of bp.
-        inplace = not tb and n % 512 != 0 and m < 16 * MR
+        inplace = not tb and m < 16 * MR and (n % 512 != 0 or m <= 2 * MR)
         packed = (1 if n % NR else 0) if inplace else npan
         ps = k * NR + 16  # panel stride, one cache line more than needed: panels written side by
         #                   side would otherwise sit 4 KiB-aliased and collide in L1 sets
