@@ -76,18 +76,21 @@ QUICK_MIN_TIME, FULL_MIN_TIME = 0.02, 0.05   # seconds each choice is timed for 
 
 
 def plan(knob: K.Knob, workload: K.Workload, *, quick: bool, only_missing: bool = False) -> list:
-    """[(problem to time, [shape classes its choice is stored for])]: one problem per shape class,
-    or in a quick tune one per quick class where the knob declares them (its smallest problem: the
-    quickest to set up)."""
+    """[(problem to time, [shape classes its choice is stored for])]: one problem per shape class
+    (the first met), or in a quick tune one per quick class where the knob declares them (its
+    smallest problem: the quickest to set up)."""
+    coarse = quick and knob.quick_class is not None
     groups: dict = {}
     for problem in knob.problems(workload):
         if only_missing and knob.tuned(problem) is not None:
             continue
         cls = knob.shape_class(problem)
-        key = knob.quick_class(problem) if quick and knob.quick_class is not None else cls
-        rep, classes = groups.get(key, (problem, []))
-        groups[key] = (min(rep, problem), classes + [cls] * (cls not in classes))
-    return list(groups.values())
+        entry = groups.setdefault(knob.quick_class(problem) if coarse else cls, [problem, []])
+        if coarse:
+            entry[0] = min(entry[0], problem)
+        if cls not in entry[1]:
+            entry[1].append(cls)
+    return [tuple(entry) for entry in groups.values()]
 
 
 def tune(workload: K.Workload, *, quick: bool = False, select: str = "*", only_missing: bool = False,

@@ -27,7 +27,7 @@ from .exchange import CommStat, Exchange
 from .launch import comm_from_env, describe_ranks, install_fault_handlers, node_groups
 from .layout import ROW_KINDS, Layout
 from .model import DLRM, StageTimer, StepContext
-from .model_state import SplitWeight
+from .model_state import copy_into
 from .placement import batch_slices
 from .planner import AUTO, ShardingPlan, plan_sharding
 from .optimizers import TableOptimizer
@@ -257,25 +257,17 @@ class DistributedDLRM(DLRM, comm_variant=True):
     def load_local(self, sd: dict) -> None:
         """Copy the given, already checked full arrays: each table's piece this rank holds (and its
         optimizer state), the MLPs and the cross network (and theirs)."""
+        dense = self.mlp_parameters()
         for name, a in sd.items():
             if name.startswith("state."):
                 self._load_state(name[len("state."):], a)
-                continue
-            kind, idx, what = name.split(".")
-            if kind == "emb":
-                s = self.shards[int(idx)]
+            elif name in dense:
+                copy_into(dense[name], a)
+            else:                                   # emb.{t}.weight
+                s = self.shards[int(name.split(".")[1])]
                 if s.held:
                     r0, r1, c0, c1 = s.region
                     s.write(a[r0:r1, c0:c1])
-            elif kind == "cross":
-                np.copyto({"v": self.cross_v, "w": self.cross_w, "b": self.cross_b}[what][int(idx)], a)
-            else:
-                ws, bs = (self.bot_w, self.bot_b) if kind == "bot" else (self.top_w, self.top_b)
-                p = (ws if what == "weight" else bs)[int(idx)]
-                if isinstance(p, SplitWeight):
-                    p.assign(a)
-                else:
-                    np.copyto(p, a)
 
     def _load_state(self, name: str, a) -> None:
         """The optimizer state of parameter `name` from the full array a: a table's, my region of it."""

@@ -46,6 +46,14 @@ class SplitWeight:
         self.assign(w)
 
 
+def copy_into(p, a: np.ndarray) -> None:
+    """Copy the fp32 array a into the live parameter p: an array, or a SplitWeight split again."""
+    if isinstance(p, SplitWeight):
+        p.assign(a)
+    else:
+        np.copyto(p, a)
+
+
 class ModelState:
     """Named arrays of a DLRM (self: the model: emb, pool_w, opt_state, the MLP lists)."""
 
@@ -193,11 +201,8 @@ class ModelState:
         live.update(self.mlp_parameters())
         live.update(self.optimizer_state_dict())
         for name, a in sd.items():
-            if isinstance(live.get(name), SplitWeight):
-                live[name].assign(a)
-                continue
             if name in live:
-                np.copyto(live[name], a)
+                copy_into(live[name], a)
                 continue
             t = int(name.split(".")[1])                 # a bf16 table (absent tables: None)
             if self.emb[t] is not None:
