@@ -162,12 +162,33 @@ def test_matrix_vector_relu_keeps_nan_and_results_do_not_depend_on_threads():
         np.testing.assert_array_equal(got, first)
 
 
-@given(m=dims, n=dims, seed=st.integers(0, 9))
-def test_transpose_into_matches_numpy(m, n, seed):
-    src = arrays(np.random.default_rng(seed), m, n)
-    dst = np.empty((n, m), np.float32)
-    G.transpose_into(src, dst)
-    np.testing.assert_array_equal(dst, src.T)
+@given(m=dims, n=dims, bias=st.booleans(), relu=st.booleans(), seed=st.integers(0, 9))
+def test_transpose_into_matches_numpy(m, n, bias, relu, seed):
+    rng = np.random.default_rng(seed)
+    src, b = arrays(rng, m, n), arrays(rng, m)
+    src[rng.integers(m), rng.integers(n)] = np.nan
+    dst = np.full((n, m), np.inf, np.float32)
+    G.transpose_into(src, dst, b if bias else None, relu)
+    want = src.T + b if bias else src.T
+    np.testing.assert_array_equal(dst, np.where(want < 0, 0, want) if relu else want)  # NaN stays NaN
+
+
+@given(n=dims, k=dims, m=dims, bias=st.booleans(), act=st.sampled_from([None, "relu"]), seed=st.integers(0, 99))
+def test_forward_layouts_give_identical_bits(n, k, m, bias, act, seed):
+    # y = x @ w.T and y.T = w @ x.T run the same FMA chain per element: which one the layout knob
+    # picks (small batches: transposed) must not change a bit
+    rng = np.random.default_rng(seed)
+    x, w, b = arrays(rng, n, k), arrays(rng, m, k), arrays(rng, m) if bias else None
+    x[rng.integers(n), rng.integers(k)] = np.nan
+    direct, transposed = (G._forward(x, w, b, np.empty((n, m), np.float32), act == "relu", t) for t in (False, True))
+    np.testing.assert_array_equal(direct, transposed)
+
+
+def test_small_batches_run_transposed_large_ones_directly():
+    threads = numba.get_num_threads()
+    assert G.FORWARD_LAYOUT.heuristic((32, 1024, 1024, threads))["transposed"]
+    assert not G.FORWARD_LAYOUT.heuristic((2048, 1024, 1024, threads))["transposed"]
+    assert not G.FORWARD_LAYOUT.heuristic((1, 1024, 1024, threads))["transposed"]  # the matrix-vector kernel
 
 
 @given(nb=st.integers(1, 5), m=dims, k=st.integers(1, 80), n=dims, beta=st.sampled_from([0.0, 0.5]),

@@ -18,7 +18,7 @@ from ..codegen.knobs import knob, pow2_class
 from ..codegen.simd import tile_for
 from . import _check, gemm_bf16
 from .bf16 import BF16Array
-from .gemm_blocking import BlockChoices, dw_variant, layer_problems, split_for_threads
+from .gemm_blocking import BlockChoices, dw_variant, forward_transposed, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
 from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transposed_buffer, transpose_into
 
@@ -30,7 +30,7 @@ def tile_shape(isa: str | None = None) -> tuple[int, int, int]:
 
 # --------------------------------------------------------------------------- blocking knobs
 
-VARIANTS = ("gemm", "linear_forward", "linear_dx", "linear_dw", "linear_dwt", "batch_reduce_gemm")
+VARIANTS = ("gemm", "linear_forward", "linear_forward_t", "linear_dx", "linear_dw", "linear_dwt", "batch_reduce_gemm")
 
 
 def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> dict:
@@ -85,21 +85,48 @@ def _inputs(ta: bool, tb: bool, m: int, n: int, k: int):
 def _runner(variant):
     def runner(problem, params):
         m, n, k, threads = problem
-        ta, tb = variant in ("linear_dw", "linear_dwt"), variant == "linear_forward"
+        ta, tb = variant in ("linear_dw", "linear_dwt"), variant in ("linear_forward", "linear_forward_t")
         a, b, c = _inputs(ta, tb, m, n, k)
         blocks = shape_blocks(params, m, n, k, threads)
         return lambda: gemm_into(a, b, c, ta, tb, blocks)
     return runner
 
 
+def _transposed_heuristic(batch: int, out: int, k: int) -> bool:
+    return forward_transposed(batch, out, k, tile_shape()[1], host_target().l2)
+
+
 BLOCKS = {v: knob(f"gemm.blocks.{v}", doc=f"(mc, kc) cache blocks of {v}",
                   heuristic=lambda p, v=v: heuristic_blocks(v, *p),
                   shape_class=lambda p: f"{pow2_class(*p[:3])}t{p[3]}",
-                  problems=layer_problems(v, lambda: tile_shape()[:2]), candidates=_candidates, runner=_runner(v))
+                  problems=layer_problems(v, lambda: tile_shape()[:2], transposed=_transposed_heuristic),
+                  candidates=_candidates, runner=_runner(v))
           for v in VARIANTS}
 
 
 blocks_for = BlockChoices(BLOCKS, shape_blocks)
+
+
+def _forward_problems(w):
+    if "fp32" in w.precisions:
+        for batch, kin, kout in w.linears:
+            for threads in w.threads:
+                yield batch, kout, kin, threads
+
+
+def _layout_runner(problem, params):
+    batch, out, k, _ = problem
+    x, w, y = _inputs(False, True, batch, out, k)
+    bias = np.zeros(out, np.float32)
+    return lambda: _forward(x, w, bias, y, True, params["transposed"])
+
+
+# problem (batch, out, in, threads), as linear_forward's blocks
+FORWARD_LAYOUT = knob("gemm.layout.linear_forward", doc="linear_forward as y = x @ w.T or as y.T = w @ x.T",
+                      heuristic=lambda p: {"transposed": _transposed_heuristic(*p[:3])},
+                      shape_class=lambda p: f"{pow2_class(*p[:3])}t{p[3]}", problems=_forward_problems,
+                      candidates=lambda p, quick: [{"transposed": False}, {"transposed": True}] if p[0] > 1 else
+                      [{"transposed": False}], runner=_layout_runner)
 
 
 def _run(a, b, c, ta, tb, op, **kw):
@@ -173,7 +200,17 @@ def linear_forward(x, w, b=None, *, activation=None, out=None, out_dtype=None):
     if b is not None:
         b = _check.float_array("b", b, ndim=1, shape=(m,))
     y = np.empty((n, m), np.float32) if out is None else _check.output("out", out, (n, m), x, w)
-    return _run(x, w, y, False, True, "linear_forward", bias=b, relu=relu)
+    return _forward(x, w, b, y, relu, FORWARD_LAYOUT.choose((n, m, k, numba.get_num_threads()))["transposed"])
+
+
+def _forward(x, w, b, y, relu, transposed):
+    """y = relu?(x @ w.T + b) on validated arrays, directly or as y.T = w @ x.T: the same FMA
+    chain per element either way, so both layouts give identical bits."""
+    n, m = y.shape
+    if not transposed or n * m == 0:
+        return _run(x, w, y, False, True, "linear_forward", bias=b, relu=relu)
+    yt = _run(w, x, transposed_buffer(m * n).reshape(m, n), False, True, "linear_forward_t")
+    return transpose_into(yt, y, b, relu)
 
 
 def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None, out_dx=None, out_dw=None):

@@ -25,6 +25,15 @@ def dw_variant(m: int, k: int, mr: int, nr: int) -> str:
     return "linear_dwt" if _lane_use(k, m, mr, nr) > 1.02 * _lane_use(m, k, mr, nr) else "linear_dw"
 
 
+def forward_transposed(batch: int, out: int, k: int, nr: int, l2: int) -> bool:
+    """The heuristic for linear_forward's layout: y.T = w @ x.T ("linear_forward_t", then
+    transposed with the epilogue) instead of y = x @ w.T when packing x and transposing y move at
+    most half the floats that packing w does (a small batch: w is used by few rows, so its copy
+    costs as much as the FMAs), and the batch fills half of an NR-wide tile or w is too large for
+    half of L2 (its copy then comes from farther away). Not for one row (the matrix-vector kernel)."""
+    return batch > 1 and batch * (k + out) * 2 <= out * k and (2 * batch >= nr or 8 * out * k >= l2)
+
+
 def split_for_threads(mc: int, kc: int, m: int, n: int, k: int, threads: int, tile: tuple) -> tuple[int, int, int]:
     """(mc, kc, nc) for C (m x n) += A (m x k) B (k x n) from chosen (mc, kc) (mc already a multiple
     of MR): one K pass where a second would be a sliver; row blocks evened out over `threads`, and
@@ -44,18 +53,21 @@ def split_for_threads(mc: int, kc: int, m: int, n: int, k: int, threads: int, ti
     return mc, kc, nc
 
 
-def layer_problems(variant: str, tile, precision: str = "fp32"):
+def layer_problems(variant: str, tile, precision: str = "fp32", transposed=None):
     """problems(workload): the (m, n, k, threads) GEMMs of `variant` that a workload's linear layers
     run in `precision` (none if they run in another); tile() -> (MR, NR) of the family's register
-    tile (read when the problems are asked for)."""
+    tile (read when the problems are asked for); transposed(batch, out, in) -> whether the family
+    runs that forward as linear_forward_t (None: it has no such variant)."""
     def problems(w):
         if precision not in w.precisions:
             return
         mr, nr = tile()
         for batch, kin, kout in w.linears:
             for threads in w.threads:
-                if variant == "linear_forward":
-                    yield batch, kout, kin, threads
+                if variant in ("linear_forward", "linear_forward_t"):
+                    t = transposed is not None and transposed(batch, kout, kin)
+                    if (variant == "linear_forward_t") == t:
+                        yield (kout, batch, kin, threads) if t else (batch, kout, kin, threads)
                 elif variant == "linear_dx":
                     yield batch, kin, kout, threads
                 elif variant == dw_variant(kout, kin, mr, nr):

@@ -289,8 +289,8 @@ def grad_buffer(size: int) -> np.ndarray:
 
 
 def transposed_buffer(size: int) -> np.ndarray:
-    """This thread's buffer for a weight gradient computed transposed (linear_dwt), consumed by the
-    transpose into the caller's array before linear_backward returns."""
+    """This thread's buffer for a GEMM result computed transposed (linear_forward_t, linear_dwt),
+    consumed by the transpose into the caller's array before the op returns."""
     return thread_buffer("dwt", np.float32, size)
 
 
@@ -323,22 +323,40 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     return c
 
 
+def transpose_into(src, dst, bias=None, relu=False):
+    """dst (n, m) = src (m, n).T, then (optionally) the linear epilogue dst = relu?(dst + bias)
+    with bias (m,): the output of a GEMM computed transposed, finished on its way out."""
+    _transpose_kernel(src, dst, _DUMMY if bias is None else bias, bias is not None, bool(relu))
+    return dst
+
+
 @jit(parallel=True)
-def transpose_into(src, dst):
-    """dst (n, m) = src (m, n).T: 16 x 16 blocks transposed in registers (rows of 16 floats
-    loaded, columns stored as 16-float vectors), the ragged edges element by element."""
+def _transpose_kernel(src, dst, bias, use_bias, relu):
+    # 16 x 16 blocks transposed in registers (rows of 16 floats loaded, columns stored as
+    # 16-float vectors), the epilogue on each block while it is in L1, ragged edges element-wise
     m, n = src.shape
     sf, df = src.reshape(m * n), dst.reshape(m * n)
     rowaddr = addr_of(src) + 4 * n * np.arange(m, dtype=np.int64)  # byte address of each row of src
     mb, nb = m // 16 * 16, n // 16 * 16
+    epi = use_bias or relu
     for bi in prange((m + 15) // 16):
         i0 = bi * 16
+        i1 = min(m, i0 + 16)
         if i0 < mb:
             for j0 in range(0, nb, 16):
                 vtranspose16(rowaddr, i0, 4 * j0, df, j0 * m + i0, m)
         for j in range(0 if i0 >= mb else nb, n):
-            for i in range(i0, min(m, i0 + 16)):
+            for i in range(i0, i1):
                 df[_u(j * m + i)] = sf[_u(i * n + j)]
+        if epi:
+            for j in range(n):
+                for i in range(i0, i1):
+                    v = df[_u(j * m + i)]
+                    if use_bias:
+                        v += bias[i]
+                    if relu and v < 0:  # ordered compare, as the tile epilogue: NaN stays NaN
+                        v = np.float32(0.0)
+                    df[_u(j * m + i)] = v
 
 
 # --------------------------------------------------------------------------- ReLU gradient
