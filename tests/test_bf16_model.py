@@ -59,8 +59,9 @@ def record(model, name, calls):
 # --------------------------------------------------------------------------- layers against float64
 
 
-def test_bf16_step_layers_match_float64_reference():
-    m = DLRM(**ARCH, seed=3, precision="bf16")
+@pytest.mark.parametrize("interaction", ["dot", "cat"])
+def test_bf16_step_layers_match_float64_reference(interaction):
+    m = DLRM(**ARCH, seed=3, precision="bf16", interaction=interaction)
     assert m.embedding_precision == "bf16"
     assert all(isinstance(w, SplitWeight) for w in m.bot_w + m.top_w)
     before = {k: v.copy() for k, v in m.state_dict().items()}
@@ -95,11 +96,15 @@ def test_bf16_step_layers_match_float64_reference():
 
     x, ly = buf.bot[-1], buf.ly16
     z = fwd[2][0][0]                          # the top MLP's input: the interaction's bf16 output
-    want = ref.interaction_dot_forward(x, ly)
-    t = np.stack([values(x)] + [values(a) for a in ly], axis=1)
-    mag = np.abs(t) @ np.abs(t).transpose(0, 2, 1)
-    li, lj = ref.interaction_pairs(len(SIZES) + 1)
-    assert_close(z, want, np.concatenate([np.abs(values(x)), mag[:, li, lj]], axis=1), 16, "interaction")
+    if interaction == "cat":                  # the bf16 values themselves, side by side
+        np.testing.assert_array_equal(z.bits, np.concatenate([x.bits] + [a.bits for a in ly], axis=1))
+        np.testing.assert_array_equal(z.bits, ref.interaction_cat_forward(x, ly).bits)
+    else:
+        want = ref.interaction_dot_forward(x, ly)
+        t = np.stack([values(x)] + [values(a) for a in ly], axis=1)
+        mag = np.abs(t) @ np.abs(t).transpose(0, 2, 1)
+        li, lj = ref.interaction_pairs(len(SIZES) + 1)
+        assert_close(z, want, np.concatenate([np.abs(values(x)), mag[:, li, lj]], axis=1), 16, "interaction")
 
     for (dy, xin, w, y, act, _), kw, (dx, dw, db) in bwd:
         g = values(dy) * (values(y) > 0 if act == "relu" else 1.0)
@@ -168,9 +173,9 @@ def test_mlp_and_table_precisions_are_independent(precision, tables):
 def test_bf16_option_errors():
     with pytest.raises(ValueError, match="precision must be one of"):
         DLRM(**ARCH, precision="fp16")
-    with pytest.raises(ValueError, match="dot interaction and relu"):
-        DLRM(**ARCH, precision="bf16", interaction="cat")
-    with pytest.raises(ValueError, match="dot interaction and relu"):
+    with pytest.raises(ValueError, match="dot or cat interaction and relu"):
+        DLRM(**ARCH, precision="bf16", interaction="dcn")
+    with pytest.raises(ValueError, match="dot or cat interaction and relu"):
         DLRM(**ARCH, precision="bf16", activation="sigmoid")
     with pytest.raises(ValueError, match="Split-SGD tables take SGD only"):
         DLRM(**ARCH, precision="bf16", optimizer="adagrad")      # tables follow precision

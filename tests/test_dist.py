@@ -93,7 +93,8 @@ def _mpiexec(n, script, *args, timeout=120):
 @needs_mpi
 @pytest.mark.parametrize("ranks, interaction, self_interaction, precision, optimizer",
                          [(2, "dot", 0, "fp32", "sgd"), (3, "cat", 1, "fp32", "sgd"), (2, "dot", 0, "bf16", "sgd"),
-                          (3, "dot", 0, "bf16-all", "sgd"), (3, "dcn", 0, "fp32", "sgd"), (2, "dcn", 0, "fp32", "adagrad")])
+                          (3, "dot", 0, "bf16-all", "sgd"), (2, "cat", 0, "bf16-all", "sgd"), (3, "dcn", 0, "fp32", "sgd"),
+                          (2, "dcn", 0, "fp32", "adagrad")])
 def test_ranks_match_one_process(ranks, interaction, self_interaction, precision, optimizer):
     # B = 67 is prime: uneven slices for 2 and 3 ranks; 3 ranks own 1 or 2 tables (uneven);
     # a last step of B = 2 leaves a rank of 3 without rows. bf16-all: bf16 MLPs and interaction

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jitkern.ops import BF16Array, interaction_cat_forward, interaction_dot_backward, interaction_dot_forward
+from jitkern.ops import (BF16Array, interaction_cat_backward, interaction_cat_forward, interaction_dot_backward,
+                         interaction_dot_forward)
 from jitkern.ops import reference as ref
 
 EPS = np.finfo(np.float32).eps
@@ -86,5 +87,28 @@ def test_bf16_and_float32_inputs_do_not_mix():
         interaction_dot_forward(x, np.zeros((4, 3, 16), np.uint16))  # bare bits are not bf16
     with pytest.raises(ValueError, match="out_dtype"):
         interaction_dot_forward(x, ly, out_dtype="float16")
-    with pytest.raises(TypeError, match="x must be a numpy.ndarray"):
-        interaction_cat_forward(x, ly)  # cat moves values, it has no bf16 variant
+    with pytest.raises(TypeError, match=r"ly\[2\] must be a BF16Array"):
+        interaction_cat_forward(x, [ly[0], ly[1], ly[2].to_float32()])
+    with pytest.raises(ValueError, match="dz must have shape"):
+        interaction_cat_backward(BF16Array(np.zeros((4, 63), np.uint16)), x, ly)
+
+
+@given(b=st.integers(0, 40), t=st.integers(0, 9), d=st.sampled_from([1, 13, 16, 128]), stacked=st.booleans(),
+       dz_bf16=st.booleans(), seed=st.integers(0, 99))
+def test_cat_interaction_on_bf16_inputs(b, t, d, stacked, dz_bf16, seed):
+    # cat moves values: a bf16 z holds the inputs' bits exactly, and the gradients are dz's values
+    rng = np.random.default_rng(seed)
+    x = bf16(rng, b, d)
+    x.bits[:1, :1] = 0x7FC1                       # a NaN payload travels untouched
+    ly = bf16(rng, b, t, d) if stacked else [bf16(rng, b, d) for _ in range(t)]
+    z = interaction_cat_forward(x, ly)
+    assert isinstance(z, BF16Array) and z.shape == (b, d * (t + 1))
+    parts = [x.bits] + ([ly.bits[:, i] for i in range(t)] if stacked else [a.bits for a in ly])
+    np.testing.assert_array_equal(z.bits, np.concatenate(parts, axis=1) if b else z.bits)
+    stack = ly if stacked else BF16Array(np.stack([a.bits for a in ly], axis=1) if t else np.zeros((b, 0, d), np.uint16))
+    want = ref.interaction_cat_forward(x, stack)
+    np.testing.assert_array_equal(z.to_float32(), want.to_float32())
+    dz = bf16(rng, *z.shape) if dz_bf16 else rng.standard_normal(z.shape, dtype=np.float32)
+    for got, exp in zip(interaction_cat_backward(dz, x, ly), ref.interaction_cat_backward(dz, x, stack)):
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, exp)

@@ -161,9 +161,9 @@ class DLRM(ModelState):
         tricks = self.weighted_pooling is not None or self.qr is not None or self.md_dims is not None
         if self.embedding_precision != "fp32" and (tricks or self.table_opt.name != "sgd"):
             raise ValueError("bf16 Split-SGD tables take SGD only, without qr, md or weighted pooling")
-        if self.precision == "bf16" and (self.interaction != "dot" or self.activation != "relu"):
-            raise ValueError("precision='bf16' runs the dot interaction and relu hidden layers (bf16 GEMMs "
-                             f"with the ReLU fused), got interaction={self.interaction!r}, "
+        if self.precision == "bf16" and (self.interaction == "dcn" or self.activation != "relu"):
+            raise ValueError("precision='bf16' runs the dot or cat interaction and relu hidden layers (bf16 "
+                             f"GEMMs with the ReLU fused), got interaction={self.interaction!r}, "
                              f"activation={self.activation!r}")
         if self.comm is not None and tricks:
             raise NotImplementedError("under MPI the DLRM trains plain tables (by any of its optimizers); qr, md "

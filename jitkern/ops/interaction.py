@@ -460,24 +460,34 @@ def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
 
 
 def interaction_cat_forward(x, ly):
-    """z = [x, ly_0, ..., ly_{T-1}] per sample; x: (B, D), ly: (B, T, D) or T x (B, D) -> (B, D * (T + 1))."""
-    x, keep, _, _, T = _features(x, ly, bf16_ok=False)
+    """z = [x, ly_0, ..., ly_{T-1}] per sample; x: (B, D), ly: (B, T, D) or T x (B, D) -> (B, D * (T + 1)).
+
+    float32 inputs give a float32 z; BF16Array inputs a BF16Array z (their bits, copied exactly).
+    """
+    bf16 = isinstance(x, BF16Array)
+    x, keep, _, _, T = _features(x, ly)
     B, D = x.shape
-    z = np.empty((B, T + 1, D), np.float32)
+    z = np.empty((B, T + 1, D), x.dtype)
     z[:, 0] = x
     if isinstance(ly, (list, tuple)):
         for t, a in enumerate(keep):
             z[:, t + 1] = a
     else:
         z[:, 1:] = keep[0]
-    return z.reshape(B, (T + 1) * D)
+    z = z.reshape(B, (T + 1) * D)
+    return BF16Array(z) if bf16 else z
 
 
 def interaction_cat_backward(dz, x, ly):
-    """Gradients of interaction_cat_forward: dz (B, D * (T + 1)) -> dx (B, D), dly (B, T, D)."""
-    x, _, _, _, T = _features(x, ly, bf16_ok=False)
+    """Gradients of interaction_cat_forward: dz (B, D * (T + 1)) float32 or BF16Array -> dx (B, D),
+    dly (B, T, D) float32 (x and ly give only the shapes: float32 or BF16Array)."""
+    x, _, _, _, T = _features(x, ly)
     B, D = x.shape
-    dz = _check.float_array("dz", dz, ndim=2)
+    if isinstance(dz, BF16Array):
+        _check.bf16_array("dz", dz, ndim=2)
+        dz = dz.to_float32()
+    else:
+        dz = _check.float_array("dz", dz, ndim=2)
     if dz.shape != (B, D * (T + 1)):
         raise ValueError(f"dz must have shape (B, D * (T + 1)) = {(B, D * (T + 1))}, got {dz.shape}")
     dz = dz.reshape(B, T + 1, D)

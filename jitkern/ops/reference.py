@@ -277,15 +277,17 @@ def interaction_dot_backward(dz, x, ly, *, self_interaction=False):
 
 
 def interaction_cat_forward(x, ly):
-    """z = [x, ly_0, ..., ly_{T-1}] flattened; x: (B, D), ly: (B, T, D) -> (B, D * (T + 1))."""
-    t = _stack(x, ly)
-    return np.ascontiguousarray(t.reshape(t.shape[0], t.shape[1] * t.shape[2]), dtype=np.float32)
+    """z = [x, ly_0, ..., ly_{T-1}] flattened; x: (B, D), ly: (B, T, D) -> (B, D * (T + 1)) float32,
+    or a BF16Array of the same values for BF16Array inputs."""
+    t = _stack_values(x, ly)
+    z = np.ascontiguousarray(t.reshape(t.shape[0], t.shape[1] * t.shape[2]), dtype=np.float32)
+    return _result(z, "bfloat16" if isinstance(x, BF16Array) else "float32")
 
 
 def interaction_cat_backward(dz, x, ly):
-    """Gradients of interaction_cat_forward: dx (B, D), dly (B, T, D)."""
-    t = _stack(x, ly)
-    dt = np.asarray(dz, np.float32).reshape(t.shape)
+    """Gradients of interaction_cat_forward (dz float32 or BF16Array): dx (B, D), dly (B, T, D) float32."""
+    t = _stack_values(x, ly)
+    dt = _values(dz).astype(np.float32).reshape(t.shape)
     return dt[:, 0, :].copy(), dt[:, 1:, :].copy()
 
 
