@@ -112,6 +112,10 @@ def test_heuristic_and_thread_shaping(caches):
     assert kc < k and nib * njb >= 2 and (nib * njb) % 2 == 0
     if -(-m // G._round_to(h["mc"], mr)) < 4:   # fewer row blocks than 2 per thread: columns split
         assert njb >= 2
+    m, n, k = 1024, nr, 1024                     # one column panel (a small batch run transposed): rows split
+    for threads in (2, 3):
+        mc, kc, nc = G.shape_blocks(G.heuristic_blocks("linear_forward_t", m, n, k), m, n, k, threads)
+        assert -(-n // nc) == 1 and -(-m // mc) >= threads
 
 
 def test_choice_follows_db_and_environment(db, monkeypatch):

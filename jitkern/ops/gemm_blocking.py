@@ -37,7 +37,8 @@ def forward_transposed(batch: int, out: int, k: int, nr: int, l2: int) -> bool:
 def split_for_threads(mc: int, kc: int, m: int, n: int, k: int, threads: int, tile: tuple) -> tuple[int, int, int]:
     """(mc, kc, nc) for C (m x n) += A (m x k) B (k x n) from chosen (mc, kc) (mc already a multiple
     of MR): one K pass where a second would be a sliver; row blocks evened out over `threads`, and
-    the columns split too where there are fewer than two row blocks per thread. tile = (MR, NR)."""
+    the columns split too where there are fewer than two row blocks per thread (the rows, where C
+    is a single column panel). tile = (MR, NR)."""
     mr, nr = tile
     if k <= kc * 5 // 4:  # one pass over K beats a full pass plus a sliver
         kc = max(k, 1)
@@ -50,6 +51,8 @@ def split_for_threads(mc: int, kc: int, m: int, n: int, k: int, threads: int, ti
     if nib < 2 * threads and threads > 1:  # too few row blocks: split the columns too
         njb = -(-2 * threads // nib)
         nc = round_to(-(-n // njb), nr)
+        if nib * -(-n // nc) < threads:    # one column panel (a transposed small batch): rows after all
+            mc = round_to(-(-m // threads), mr)
     return mc, kc, nc
 
 
