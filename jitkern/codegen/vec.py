@@ -16,7 +16,7 @@ from numba.extending import intrinsic, models, overload, register_model
 
 from .simd_bf16 import emit_round, emit_widen, round_bf16
 
-__all__ = ["addr_of", "f32_ptr", "ptr_like", "put", "vadd", "vfma", "vget", "vget_addr", "vlen", "vload", "vload_addr",
+__all__ = ["addr_of", "f32_ptr", "f64_from_bits", "ptr_like", "put", "vadd", "vfma", "vget", "vget_addr", "vlen", "vload", "vload_addr",
            "vput", "vsplat", "vstore", "vtranspose16", "vzero"]
 
 
@@ -188,6 +188,18 @@ def addr_of(typingctx, arr):
     def codegen(context, builder, sig, args):
         return builder.ptrtoint(context.make_array(sig.args[0])(context, builder, args[0]).data, ir.IntType(64))
     return types.int64(arr), codegen
+
+
+@intrinsic
+def f64_from_bits(typingctx, bits):
+    """The float64 whose IEEE bit pattern is the integer `bits` (a bitcast: vectorises, unlike a
+    round trip through memory)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(context.cast(builder, args[0], sig.args[0], types.int64), ir.DoubleType())
+    return types.float64(bits), codegen
 
 
 @intrinsic
