@@ -140,6 +140,37 @@ def test_bf16_forward_is_close_to_fp32():
     assert np.abs(p16 - p32).max() < 0.02
 
 
+def test_bf16_dcn_cross_network_runs_on_split_pairs():
+    """dcn in bf16: the cross layers read their Split pairs' bf16 halves and the bf16 interaction
+    output, hand the top MLP a bf16 x_L, and their update is exact fp32 on the rejoined weights."""
+    m = DLRM(**ARCH, seed=2, precision="bf16", interaction="dcn", dcn_layers=2, dcn_rank=4)
+    assert all(isinstance(p, SplitWeight) for p in m.cross_v + m.cross_w)
+    fwd, grads = [], []
+    record(m, "_layer_forward", fwd)
+    orig = m._cross_update
+    m._cross_update = lambda ctx: (grads.append(ctx.cross_grads), orig(ctx))
+    before = {k: v.copy() for k, v in m.state_dict().items()}
+    b = batch()
+    lr = 0.05
+    m.train_step(b.dense, b.offsets, b.indices, b.labels, lr)
+    buf = m._buffers[64]
+    z = fwd[2][0][0]                                       # the top MLP's input: the last cross layer's
+    assert isinstance(z, BF16Array) and z is buf.cross_x[-1]
+    x0 = ops.interaction_cat_forward(buf.bot[-1], buf.ly16)
+    xl = x0
+    for l in range(2):                                     # each layer as ops.cross_layer_forward on the pairs
+        v, w = (ops.BF16Array(ref.bf16_split(before[f"cross.{l}.{k}"])[0]) for k in "vw")
+        want, _ = ops.cross_layer_forward(x0, xl, v, w, before[f"cross.{l}.b"])
+        np.testing.assert_array_equal(buf.cross_x[l].bits, want.bits)
+        xl = want
+    after = m.state_dict()
+    for l, (dv, dw, db) in enumerate(grads[0]):
+        for k, g in zip("vwb", (dv, dw, db)):
+            name = f"cross.{l}.{k}"
+            want = ops.sgd_(before[name].copy(), g, lr)
+            np.testing.assert_array_equal(after[name].view(np.uint32), want.view(np.uint32), err_msg=name)
+
+
 # --------------------------------------------------------------------------- fp32 and mixed precisions
 
 
@@ -173,9 +204,7 @@ def test_mlp_and_table_precisions_are_independent(precision, tables):
 def test_bf16_option_errors():
     with pytest.raises(ValueError, match="precision must be one of"):
         DLRM(**ARCH, precision="fp16")
-    with pytest.raises(ValueError, match="dot or cat interaction and relu"):
-        DLRM(**ARCH, precision="bf16", interaction="dcn")
-    with pytest.raises(ValueError, match="dot or cat interaction and relu"):
+    with pytest.raises(ValueError, match="runs relu hidden layers"):
         DLRM(**ARCH, precision="bf16", activation="sigmoid")
     with pytest.raises(ValueError, match="Split-SGD tables take SGD only"):
         DLRM(**ARCH, precision="bf16", optimizer="adagrad")      # tables follow precision
@@ -184,9 +213,10 @@ def test_bf16_option_errors():
 # --------------------------------------------------------------------------- state, checkpoints
 
 
-def test_state_dict_is_fp32_and_loads_back():
-    m = DLRM(**ARCH, seed=1, precision="bf16")
-    f = DLRM(**ARCH, seed=1)
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_state_dict_is_fp32_and_loads_back(interaction):
+    m = DLRM(**ARCH, seed=1, precision="bf16", interaction=interaction)
+    f = DLRM(**ARCH, seed=1, interaction=interaction)
     sd, fsd = m.state_dict(), f.state_dict()
     assert list(sd) == list(fsd)
     for k in sd:                                   # same init: the split pairs hold it exactly
@@ -210,19 +240,22 @@ def _trainer(model, num_batches, ck=None, state=None):
     return Trainer(model, train, test, o, log=lambda msg: None, state=state)
 
 
-@pytest.mark.parametrize("tables", ["bf16", "fp32"])
-def test_bf16_resume_is_bit_exact(tmp_path, tables):
-    straight = DLRM(**ARCH, seed=1, precision="bf16", embedding_precision=tables)
+@pytest.mark.parametrize("tables, extra", [("bf16", {}), ("fp32", {}),
+                                           ("fp32", dict(interaction="dcn", optimizer="adagrad"))])
+def test_bf16_resume_is_bit_exact(tmp_path, tables, extra):
+    def model(seed):
+        return DLRM(**ARCH, seed=seed, precision="bf16", embedding_precision=tables, **extra)
+    straight = model(1)
     _trainer(straight, 12).run()
     ck = tmp_path / "ck.bin"
-    _trainer(DLRM(**ARCH, seed=1, precision="bf16", embedding_precision=tables), 7, ck).run()
-    resumed = DLRM(**ARCH, seed=99, precision="bf16", embedding_precision=tables)
+    _trainer(model(1), 7, ck).run()
+    resumed = model(99)
     state = state_from_meta(load_checkpoint(str(ck), resumed))
     assert state.step == 7
     _trainer(resumed, 12, state=state).run()
     for (k, x), (_, y) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32), err_msg=k)
-    for a, c in zip(straight.bot_w + straight.top_w, resumed.bot_w + resumed.top_w):
+    for a, c in zip(straight.bot_w + straight.top_w + straight.cross_v, resumed.bot_w + resumed.top_w + resumed.cross_v):
         np.testing.assert_array_equal(a.hi.bits, c.hi.bits)
 
 

@@ -30,11 +30,16 @@ def _strided(rng, a):
 
 
 @st.composite
-def layers(draw):
+def layer_shapes(draw):
+    """(rng, B, n, r) of a cross layer: empty and one-row batches, widths and ranks off the tiles."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    B = draw(st.sampled_from([0, 1, 2, 7, 33, 100]))
-    n = draw(st.sampled_from([1, 3, 17, 64, 100]))
-    r = draw(st.sampled_from([1, 2, 5, 16, 33]))
+    return (rng, draw(st.sampled_from([0, 1, 2, 7, 33, 100])), draw(st.sampled_from([1, 3, 17, 64, 100])),
+            draw(st.sampled_from([1, 2, 5, 16, 33])))
+
+
+@st.composite
+def layers(draw):
+    rng, B, n, r = draw(layer_shapes())
     arrays = _arrays(rng, B, n, r)
     if draw(st.booleans()):
         arrays = tuple(_strided(rng, a) for a in arrays)

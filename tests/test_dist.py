@@ -94,12 +94,13 @@ def _mpiexec(n, script, *args, timeout=120):
 @pytest.mark.parametrize("ranks, interaction, self_interaction, precision, optimizer",
                          [(2, "dot", 0, "fp32", "sgd"), (3, "cat", 1, "fp32", "sgd"), (2, "dot", 0, "bf16", "sgd"),
                           (3, "dot", 0, "bf16-all", "sgd"), (2, "cat", 0, "bf16-all", "sgd"), (3, "dcn", 0, "fp32", "sgd"),
-                          (2, "dcn", 0, "fp32", "adagrad")])
+                          (2, "dcn", 0, "fp32", "adagrad"), (2, "dcn", 0, "bf16-all", "sgd")])
 def test_ranks_match_one_process(ranks, interaction, self_interaction, precision, optimizer):
     # B = 67 is prime: uneven slices for 2 and 3 ranks; 3 ranks own 1 or 2 tables (uneven);
     # a last step of B = 2 leaves a rank of 3 without rows. bf16-all: bf16 MLPs and interaction
     # (Split-SGD weights updated from the allreduced fp32 gradients). dcn + adagrad: MLPerf's DLRM-DCNv2
-    # (Adagrad on the MLPs and the cross network, element-wise Adagrad tables)
+    # (Adagrad on the MLPs and the cross network, element-wise Adagrad tables); dcn in bf16 (its cross
+    # layers on Split pairs too)
     r, _ = _mpiexec(ranks, "equivalence.py", 67, 4, interaction, self_interaction, precision, optimizer)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -40,6 +40,11 @@ _INIT_CHUNK = 1 << 16          # table rows drawn per call: no float64 copy of a
 _LR_MAX = float(np.finfo(np.float32).max)
 
 
+def _gemm_operand(p):
+    """What a GEMM reads of a weight: the array, or a Split pair's bf16 high half."""
+    return p.hi if isinstance(p, SplitWeight) else p
+
+
 class DLRM(ModelState):
     """Deep Learning Recommendation Model (dlrm_s_pytorch.py's).
 
@@ -161,9 +166,9 @@ class DLRM(ModelState):
         tricks = self.weighted_pooling is not None or self.qr is not None or self.md_dims is not None
         if self.embedding_precision != "fp32" and (tricks or self.table_opt.name != "sgd"):
             raise ValueError("bf16 Split-SGD tables take SGD only, without qr, md or weighted pooling")
-        if self.precision == "bf16" and (self.interaction == "dcn" or self.activation != "relu"):
-            raise ValueError("precision='bf16' runs the dot or cat interaction and relu hidden layers (bf16 "
-                             f"GEMMs with the ReLU fused), got interaction={self.interaction!r}, "
+        if self.precision == "bf16" and self.activation != "relu":
+            raise ValueError("precision='bf16' runs relu hidden layers (bf16 GEMMs with the ReLU fused), got "
+                             f"interaction={self.interaction!r}, "
                              f"activation={self.activation!r}")
         if self.comm is not None and tricks:
             raise NotImplementedError("under MPI the DLRM trains plain tables (by any of its optimizers); qr, md "
@@ -191,7 +196,8 @@ class DLRM(ModelState):
             self._init_cross(rs)
         self.top_w, self.top_b = self._init_mlp(rs, self.top_mlp)
         if self.precision == "bf16":            # weights as Split pairs; biases stay fp32 (the epilogue's)
-            self.bot_w, self.top_w = ([SplitWeight(w) for w in ws] for ws in (self.bot_w, self.top_w))
+            self.bot_w, self.top_w, self.cross_v, self.cross_w = (
+                [SplitWeight(w) for w in ws] for ws in (self.bot_w, self.top_w, self.cross_v, self.cross_w))
 
     def _new_table(self, t, rs, gen):
         """Table t as the reference builds it: plain, quotient-remainder or mixed-dimension."""
@@ -426,7 +432,8 @@ class DLRM(ModelState):
         buf = ctx.buf
         for l, (v, w, b) in enumerate(zip(self.cross_v, self.cross_w, self.cross_b)):
             keep = buf.cross_y[l] if ctx.lr is not None else None
-            xl, _ = ops.cross_layer_forward(x0, xl, v, w, b, out=buf.cross_x[l], out_u=buf.cross_u[l], out_y=keep)
+            xl, _ = ops.cross_layer_forward(x0, xl, _gemm_operand(v), _gemm_operand(w), b, out=buf.cross_x[l],
+                                            out_u=buf.cross_u[l], out_y=keep)
         return xl
 
     def _cross_backward(self, ctx: StepContext, dz):
@@ -436,12 +443,14 @@ class DLRM(ModelState):
         if L == 0:
             return dz
         grads = [None] * L
-        d, dx0 = np.require(dz, np.float32, ("C", "W")), None   # the top MLP's own dx: updated in place
+        # the top MLP's own dx (updated in place), or its bf16 dx widened
+        d = dz.to_float32() if isinstance(dz, ops.BF16Array) else np.require(dz, np.float32, ("C", "W"))
+        dx0 = None
         for l in range(L - 1, -1, -1):
             xl = x0 if l == 0 else ctx.buf.cross_x[l - 1]
-            dx0, d, dv, dw, db = ops.cross_layer_backward(d, x0, xl, ctx.buf.cross_u[l], self.cross_v[l],
-                                                          self.cross_w[l], self.cross_b[l], y=ctx.buf.cross_y[l],
-                                                          accumulate_dx0=dx0, out_dxl=d)
+            dx0, d, dv, dw, db = ops.cross_layer_backward(d, x0, xl, ctx.buf.cross_u[l], _gemm_operand(self.cross_v[l]),
+                                                          _gemm_operand(self.cross_w[l]), self.cross_b[l],
+                                                          y=ctx.buf.cross_y[l], accumulate_dx0=dx0, out_dxl=d)
             grads[l] = (dv, dw, db)
         ctx.cross_grads = grads
         return np.add(dx0, d, out=dx0)                 # x0 is layer 0's xl too
@@ -564,18 +573,22 @@ class DLRM(ModelState):
             for prefix, ws, bs, grads in (("bot", self.bot_w, self.bot_b, bot_grads),
                                           ("top", self.top_w, self.top_b, top_grads)):
                 for l, (w, b, (dw, db)) in enumerate(zip(ws, bs, grads)):
-                    if isinstance(w, SplitWeight):
-                        w.step(self.dense_opt, self.opt_state.get(f"{prefix}.{l}.weight"), dw, ctx.lr)
-                    else:
-                        self.dense_opt.step(w, self.opt_state.get(f"{prefix}.{l}.weight"), dw, ctx.lr)
-                    self.dense_opt.step(b, self.opt_state.get(f"{prefix}.{l}.bias"), db, ctx.lr)
+                    self._step(w, self.opt_state.get(f"{prefix}.{l}.weight"), dw, ctx.lr)
+                    self._step(b, self.opt_state.get(f"{prefix}.{l}.bias"), db, ctx.lr)
             self._cross_update(ctx)
+
+    def _step(self, p, state, grad, lr) -> None:
+        """The dense optimizer on one parameter: an fp32 array, or a Split pair updated in fp32."""
+        if isinstance(p, SplitWeight):
+            p.step(self.dense_opt, state, grad, lr)
+        else:
+            self.dense_opt.step(p, state, grad, lr)
 
     def _cross_update(self, ctx: StepContext) -> None:
         """The dense optimizer on the cross network's parameters (dcn)."""
         for l, grads in enumerate(ctx.cross_grads or ()):
             for name, p, g in zip("vwb", (self.cross_v[l], self.cross_w[l], self.cross_b[l]), grads):
-                self.dense_opt.step(p, self.opt_state.get(f"cross.{l}.{name}"), g, ctx.lr)
+                self._step(p, self.opt_state.get(f"cross.{l}.{name}"), g, ctx.lr)
 
     def step_loss(self, ctx: StepContext, loss) -> float:
         """The batch-mean loss train_step returns."""

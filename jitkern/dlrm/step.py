@@ -65,10 +65,10 @@ class Buffers:
         # handed to the interaction as a list of T views (no stacking copy)
         self.pooled = np.empty((model.num_tables, b, model.feature_dim), np.float32)
         self.ly = list(self.pooled)
-        # the cross network's (dcn): each layer's output x_{l+1} (b, n), u_l (b, r) and y_l + b_l (b, n),
-        # kept for the backward
-        self.cross_x = [np.empty((b, v.shape[1]), np.float32) for v in model.cross_v]
-        self.cross_u = [np.empty((b, v.shape[0]), np.float32) for v in model.cross_v]
+        # the cross network's (dcn): each layer's output x_{l+1} (b, n), u_l (b, r) (bf16 in bf16
+        # models: GEMM operands) and y_l + b_l (b, n), kept for the backward
+        self.cross_x = [act(b, v.shape[1]) for v in model.cross_v]
+        self.cross_u = [act(b, v.shape[0]) for v in model.cross_v]
         self.cross_y = [np.empty((b, v.shape[1]), np.float32) for v in model.cross_v]
         self.zero_labels = np.zeros(b, np.float32)
         self.dense16 = _bf16(b, model.num_dense) if bf16 else None

@@ -14,39 +14,30 @@ run with the linear ops' blocking knobs (their shapes are in the DLRM's workload
 """
 from __future__ import annotations
 
-import threading
-
 import numba
 import numpy as np
 from numba import prange
 
 from ..codegen import jit
-from . import _check
+from ..codegen.bf16 import widen
+from ..codegen.vec import put
+from . import _check, cross_bf16
+from .bf16 import BF16Array
 from .gemm import blocks_for, dw_variant, linear_forward, tile_shape
-from .gemm_kernel import gemm_into, transpose_into
+from .gemm_kernel import gemm_into, thread_buffer, transpose_into
 
 _CHUNKS = 16  # row chunks of the fused passes: a fixed count, so db's sums never depend on threads
 
 
 @jit(parallel=True)
 def _combine(x0, xl, y, out):
-    """out = x0 * y + xl, element-wise (out may be y); all (B, n) float32."""
+    """out = x0 * y + xl, element-wise in float32 (out may be y); all (B, n), y float32, x0, xl and
+    out float32 or bf16 bits (widened on load, out rounded once on store)."""
     B, n = y.shape
     for c in prange(_CHUNKS):
         for i in range(c * B // _CHUNKS, (c + 1) * B // _CHUNKS):
             for j in range(n):
-                out[i, j] = x0[i, j] * y[i, j] + xl[i, j]
-
-
-_SCRATCH = threading.local()
-
-
-def _dy_buffer(size: int) -> np.ndarray:
-    """This thread's buffer for dy, consumed before cross_layer_backward returns."""
-    buf = getattr(_SCRATCH, "dy", None)
-    if buf is None or buf.size < size:
-        buf = _SCRATCH.dy = np.empty(max(size, 2 * (0 if buf is None else buf.size)), np.float32)
-    return buf[:size]
+                put(out, (i, j), widen(x0[i, j]) * y[i, j] + widen(xl[i, j]))
 
 
 @jit(inline="always")
@@ -56,7 +47,7 @@ def _grad_row(i, arrays, acc, flags):
     accumulate, copy = flags
     for j in range(dxn.shape[1]):
         d = dxn[i, j]
-        g = d * x0[i, j]
+        g = d * widen(x0[i, j])                 # x0: float32, or bf16 bits (the bf16 layer)
         dy[i, j] = g
         acc[j] += np.float64(g)
         if accumulate:
@@ -83,6 +74,29 @@ def _grad(arrays, db, flags):
         for c in range(_CHUNKS):
             s += part[c, j]
         db[j] = s
+
+
+def _fused_backward(dx_next, x0, inputs, y, recompute, accumulate_dx0, out_dxl):
+    """The backward's outputs checked (inputs: the layer's arrays, for overlap checks), then the
+    fused pass -> (dy, dxl, dx0, db); y + b is y, or recompute() (over which dx0 is then written
+    unless accumulated). x0 float32 or bf16 bits; dy is this thread's buffer."""
+    B, n = dx_next.shape
+    if y is not None:
+        _check.output("y", y, (B, n), dx_next, *inputs)
+    if accumulate_dx0 is not None:
+        _check.output("accumulate_dx0", accumulate_dx0, (B, n), dx_next, *inputs, y)
+    if out_dxl is not None:
+        _check.output("out_dxl", out_dxl, (B, n), *inputs, accumulate_dx0, y)
+        if out_dxl is not dx_next:
+            _check.no_overlap("out_dxl", out_dxl, dx_next, what="dx_next (unless it is dx_next itself)")
+    yb = recompute() if y is None else y
+    dy = thread_buffer("cross_dy", np.float32, B * n).reshape(B, n)
+    dxl = np.empty((B, n), np.float32) if out_dxl is None else out_dxl
+    dx0 = yb if accumulate_dx0 is None else accumulate_dx0
+    db = np.zeros(n, np.float32)
+    if B and n:
+        _grad((dx_next, x0, yb, dy, dxl, dx0), db, (accumulate_dx0 is not None, dxl is not dx_next))
+    return dy, dxl, dx0, db
 
 
 def _gemm(a, b, c, ta, variant, beta=0.0):
@@ -124,7 +138,11 @@ def cross_layer_forward(x0, xl, v, w, b, *, out=None, out_u=None, out_y=None):
 
     x0, xl: (B, n) float32, v: (r, n), w: (n, r), b: (n,) -> x_next (B, n), u (B, r);
     out, out_u: caller-given outputs (reused buffers); out_y: a (B, n) buffer that keeps
-    u @ w.T + b for cross_layer_backward(y=...), which then need not recompute it."""
+    u @ w.T + b for cross_layer_backward(y=...), which then need not recompute it.
+    With BF16Array x0, xl, v, w (b float32): bf16 GEMM operands, fp32 accumulation and
+    elementwise math, x_next and u BF16Arrays (rounded once), out_y float32 (ops/cross_bf16.py)."""
+    if isinstance(x0, BF16Array):
+        return cross_bf16.forward(x0, xl, v, w, b, _combine, out=out, out_u=out_u, out_y=out_y)
     x0, xl, v, w, b = _check_layer(x0, xl, v, w, b)
     B, n = x0.shape
     r = v.shape[0]
@@ -152,28 +170,18 @@ def cross_layer_backward(dx_next, x0, xl, u, v, w, b, *, y=None, accumulate_dx0=
 
     accumulate_dx0: a (B, n) float32 array dx0 is added into (and returned as dx0), for the
     cross network's running sum over layers. out_dxl: a caller-given output for dxl; it may be
-    dx_next itself (its values are read before dxl is written)."""
+    dx_next itself (its values are read before dxl is written).
+    bf16 layer (BF16Array x0, xl, u, v, w): dx_next float32 or BF16Array, every gradient float32;
+    the GEMMs read dy and du rounded to bf16, db sums the unrounded dy."""
+    if isinstance(x0, BF16Array):
+        return cross_bf16.backward(dx_next, x0, xl, u, v, w, b, y, _fused_backward, accumulate_dx0, out_dxl)
     x0, xl, v, w, b = _check_layer(x0, xl, v, w, b)
     B, n = x0.shape
     r = v.shape[0]
     dx_next = _check.float_array("dx_next", dx_next, shape=(B, n))
     u = _check.float_array("u", u, shape=(B, r))
-    inputs = (x0, xl, u, v, w, b)
-    if y is not None:
-        _check.output("y", y, (B, n), dx_next, *inputs)
-    if accumulate_dx0 is not None:
-        _check.output("accumulate_dx0", accumulate_dx0, (B, n), dx_next, *inputs, y)
-    if out_dxl is not None:
-        _check.output("out_dxl", out_dxl, (B, n), *inputs, accumulate_dx0, y)
-        if out_dxl is not dx_next:
-            _check.no_overlap("out_dxl", out_dxl, dx_next, what="dx_next (unless it is dx_next itself)")
-    yb = linear_forward(u, w, b) if y is None else y    # becomes dx0 in place unless accumulated
-    dy = _dy_buffer(B * n).reshape(B, n)
-    dxl = np.empty((B, n), np.float32) if out_dxl is None else out_dxl
-    dx0 = yb if accumulate_dx0 is None else accumulate_dx0
-    db = np.zeros(n, np.float32)
-    if B and n:
-        _grad((dx_next, x0, yb, dy, dxl, dx0), db, (accumulate_dx0 is not None, dxl is not dx_next))
+    dy, dxl, dx0, db = _fused_backward(dx_next, x0, (x0, xl, u, v, w, b), y, lambda: linear_forward(u, w, b),
+                                       accumulate_dx0, out_dxl)
     # the W layer's (r -> n) input and weight gradients, then the V layer's (n -> r)
     du = _gemm(dy, w, np.empty((B, r), np.float32), False, "linear_dx")           # (B, r)
     dw = _weight_grad(dy, u)                                                      # (n, r)

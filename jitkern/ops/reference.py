@@ -390,6 +390,30 @@ def cross_layer_backward(dx_next, x0, xl, u, v, w, b, *, y=None, accumulate_dx0=
         dy.sum(axis=0).astype(f32)
 
 
+def cross_layer_forward_bf16(x0, xl, v, w, b, *, out=None, out_u=None, out_y=None):
+    """cross_layer_forward on BF16Array x0, xl, v, w: u = bf16(xl @ v.T), x_next = bf16(x0 * (u @ w.T
+    + b) + xl) from the float32 value; float64 inside -> (x_next, u) BF16Arrays."""
+    x0, xl, v, w, b = (_values(a) for a in (x0, xl, v, w, b))
+    u = _result(xl @ v.T, "bfloat16")
+    y = _values(u) @ w.T + b
+    return _result(x0 * y + xl, "bfloat16"), u
+
+
+def cross_layer_backward_bf16(dx_next, x0, xl, u, v, w, b, *, y=None, accumulate_dx0=None, out_dxl=None):
+    """(dx0, dxl, dv, dw, db) float32 of cross_layer_forward_bf16 (dx_next float32 or BF16Array): the
+    GEMMs read dy = dx_next * x0 rounded to bf16 and du = bf16(dy @ w); db sums the unrounded dy."""
+    d, x0, xl, u, v, w, b = (_values(a) for a in (dx_next, x0, xl, u, v, w, b))
+    dy = (d * x0).astype(np.float32).astype(np.float64)
+    dyb = bf16_round(dy.astype(np.float32)).astype(np.float64)
+    du = _values(_result(dyb @ w, "bfloat16"))
+    dx0 = d * (u @ w.T + b)
+    if accumulate_dx0 is not None:
+        dx0 = dx0 + accumulate_dx0
+    f32 = np.float32
+    return dx0.astype(f32), (d + du @ v).astype(f32), (du.T @ xl).astype(f32), (dyb.T @ u).astype(f32), \
+        dy.sum(axis=0).astype(f32)
+
+
 # --------------------------------------------------------------------------- dense optimizers
 
 
