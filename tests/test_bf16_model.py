@@ -262,15 +262,18 @@ def test_bf16_resume_is_bit_exact(tmp_path, tables, extra):
 # --------------------------------------------------------------------------- accuracy
 
 
-def test_bf16_training_reaches_fp32_auc():
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_bf16_training_reaches_fp32_auc(interaction):
     """Learnable synthetic data, same seed: 400 steps of batch 256; fp32 reaches AUC >= 0.75 and
-    bf16 ends within 0.003 of it, the losses tracking each other."""
+    bf16 ends within 0.003 of it, the losses tracking each other (dcn: 3 cross layers of rank 8,
+    whose running x_l is bf16 too)."""
+    extra = dict(interaction="dcn", dcn_layers=3, dcn_rank=8) if interaction == "dcn" else {}
     sizes, d = [100, 200, 300, 50, 80, 120, 400, 60], 16
     train = SyntheticData(sizes, 13, 256, 400, seed=5)
     test = SyntheticData(sizes, 13, 4096, 1, seed=5, split="test").batch(0, 0)
     losses, aucs = {}, {}
     for precision in ("fp32", "bf16"):
-        m = DLRM(sizes, d, [13, 64, d], [64, 32, 1], seed=3, precision=precision)
+        m = DLRM(sizes, d, [13, 64, d], [64, 32, 1], seed=3, precision=precision, **extra)
         losses[precision] = np.array([m.train_step(b.dense, b.offsets, b.indices, b.labels, 0.1)
                                       for b in train.batches()])
         aucs[precision] = roc_auc(test.labels, m.forward(test.dense, test.offsets, test.indices))

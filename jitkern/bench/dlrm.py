@@ -8,8 +8,8 @@ interaction, Sigmoid + BCELoss, optim.SGD), or for a dcn config (mlperf-dcn) Tor
 in plain PyTorch (the same bags, a low-rank cross network, BCE with logits, torch.optim.Adagrad
 on the dense parameters and on the tables' sparse gradients). Also reported: jitkern's peak
 memory over its parameter bytes.
---precision bf16: jitkern's bf16 step (DLRM(precision="bf16"): bf16 MLPs, interaction and tables)
-against its fp32 step, PyTorch's fp32 step and PyTorch under torch.autocast("cpu", bfloat16) on
+--precision bf16: jitkern's bf16 step (DLRM(precision="bf16"): bf16 MLPs, interaction and tables;
+fp32 tables for a config whose optimizer is not SGD) against its fp32 step, PyTorch's fp32 step and PyTorch under torch.autocast("cpu", bfloat16) on
 the same model (the loss in fp32), all from the same weights.
 """
 from __future__ import annotations
@@ -218,7 +218,9 @@ def _jitkern_model(cfg, batches, precision="fp32"):
     gc.collect()
     exact_peak = reset_peak_rss()
     base = rss_bytes()
-    model = DLRM(**cfg.model_kwargs(), seed=0, precision=precision)
+    # bf16 Split tables take SGD only: a config with another optimizer keeps fp32 tables
+    tables = "fp32" if cfg.optimizer != "sgd" else None
+    model = DLRM(**cfg.model_kwargs(), seed=0, precision=precision, embedding_precision=tables)
     it = itertools.cycle(batches)
 
     def step():
@@ -391,7 +393,7 @@ def _bf16_comparison(args, cfg, batches, model, jk_step) -> None:
     torch = None if args.no_torch else torch_or_none()
     if torch is not None:
         torch.set_num_threads(args.threads)
-        net, tname = torch_dlrm(torch, ref), f"torch {torch.__version__}"
+        net, tname = (torch_dcn if ref.interaction == "dcn" else torch_dlrm)(torch, ref), f"torch {torch.__version__}"
         for name, cast in ((f"{tname} fp32", False), (f"{tname} bf16 autocast", True)):
             steps[name] = torch_step_fn(torch, ref, batches, net=net, autocast=cast)
             losses[name] = steps[name].first_loss()
