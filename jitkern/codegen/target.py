@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..config import get_config
+from ..config import choice_token, get_config
 
 # floats per SIMD register for each ISA we emit vector code for
 VECTOR_WIDTH = {"avx512": 16, "avx2": 8, "neon": 4, "scalar": 1}
@@ -143,6 +143,19 @@ def host_target() -> Target:
     """The target code is generated for: the detected host with JITKERN_CACHE_SIZES applied
     (JITKERN_ISA acts through Target.isa)."""
     return _with_caches(detected_target(), get_config().cache_sizes)
+
+
+_ISA_BY_TOKEN: dict = {}
+
+
+def target_isa() -> str:
+    """host_target().isa in a few dict lookups: kernel wrappers ask on every call, where building
+    the target and its configuration cost ~2 us."""
+    token = choice_token()
+    isa = _ISA_BY_TOKEN.get(token)
+    if isa is None:
+        isa = _ISA_BY_TOKEN[token] = host_target().isa
+    return isa
 
 
 # --------------------------------------------------------------------------- numba's own loops

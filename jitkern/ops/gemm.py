@@ -13,7 +13,7 @@ import functools
 import numba
 import numpy as np
 
-from ..codegen import host_target
+from ..codegen import host_target, target_isa
 from ..codegen.knobs import knob, pow2_class
 from ..codegen.simd import tile_for
 from . import _check, gemm_bf16
@@ -25,7 +25,7 @@ from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transposed_buffer, t
 
 def tile_shape(isa: str | None = None) -> tuple[int, int, int]:
     """(MR, NR, vector width) the GEMM uses on `isa` (default: the current target ISA)."""
-    return tile_for(isa or host_target().isa)
+    return tile_for(isa or target_isa())
 
 
 # --------------------------------------------------------------------------- blocking knobs

@@ -19,10 +19,11 @@ import functools
 import numpy as np
 from numba import prange
 
-from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa
 from ..codegen.bf16 import widen
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16, widen_bf16
+from ..config import choice_token
 from .gemm_kernel import thread_buffer
 
 
@@ -341,9 +342,21 @@ def _gemm_bf16_factory(spec: KernelSpec):
 # --------------------------------------------------------------------------- dispatch
 
 
+_TILES: dict = {}
+
+
 def bf16_tile(isa: str | None = None) -> tuple[bool, int, int, int]:
     """(native, MR, NR, vector width) of the bf16 GEMM on `isa` (default: the current target's):
-    the vdpbf16ps tile where the target has AVX512_BF16, else the fp32 tile on widened panels."""
+    the vdpbf16ps tile where the target has AVX512_BF16, else the fp32 tile on widened panels.
+    Memoised per configuration: every bf16 GEMM call asks."""
+    key = (isa, choice_token())
+    got = _TILES.get(key)
+    if got is None:
+        got = _TILES[key] = _bf16_tile(isa)
+    return got
+
+
+def _bf16_tile(isa):
     t = host_target()
     isa = isa or t.isa
     tile = bf16_tile_for(isa, t.has("avx512bf16") and isa == t.isa)
@@ -375,7 +388,7 @@ def gemm_bf16_into(a, b, c, ta, tb, blocks, *, bias=None, relu=False):
     if m == 0 or n == 0:
         return c
     k = a.shape[0] if ta else a.shape[1]
-    isa = host_target().isa
+    isa = target_isa()
     out_bf16 = c.dtype == np.uint16
     native, mr, nr, _ = bf16_tile(isa)
     mc, kc, nc = blocks

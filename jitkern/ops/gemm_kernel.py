@@ -22,7 +22,7 @@ import threading
 import numpy as np
 from numba import prange
 
-from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+from ..codegen import KernelSpec, get_kernel, jit, kernel_factory, target_isa
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.vec import addr_of, vtranspose16
 from .gemv_kernel import gemv_into
@@ -306,7 +306,7 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     if m == 1 or n == 1:  # a matrix-vector product: no tile would be more than one row or column full
         return gemv_into(a, b, c, ta, tb, alpha=alpha, beta=beta, bias=bias, relu=relu)
     k = a.shape[0] if ta else a.shape[1]
-    isa = host_target().isa
+    isa = target_isa()
     mc, kc, nc = blocks
     mr, nr, _ = tile_for(isa)
     need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * (max(kc, 1) * mr + 16)
