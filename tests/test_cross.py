@@ -180,6 +180,6 @@ def test_bench_ops_runs_at_a_small_scale(capsys):
     assert main(["--scale", "0.01", "--min-time", "0.001"]) == 0   # no --threads: it sets them process-wide
     assert numba.get_num_threads() == threads
     out = capsys.readouterr().out
-    for op in ("cross layer", "adagrad_", "split_sgd_", "embedding_bag_adagrad_exact_",
+    for op in ("cross layer fwd", "cross layer bf16", "adagrad_", "split_sgd_", "embedding_bag_adagrad_exact_",
                "embedding_bag_per_sample_weights_backward", "sigmoid_forward"):
         assert op in out, out

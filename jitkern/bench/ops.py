@@ -2,7 +2,9 @@
 per-sample-weight ops against NumPy doing the same work, in this process on the same inputs.
 
 Baselines: the same float32 work written in vectorised NumPy (the cross layer's GEMMs through
-NumPy's BLAS; the embedding update through np.add.at, as ops/reference.py coalesces). The ratio is NumPy time / jitkern time (> 1: jitkern is faster). Shapes are the
+NumPy's BLAS; the embedding update through np.add.at, as ops/reference.py coalesces; the bf16
+cross layer against the fp32 NumPy layer, as NumPy has no bf16 GEMM). The ratio is NumPy time /
+jitkern time (> 1: jitkern is faster). Shapes are the
 MLPerf DLRM-DCNv2's: n = 27 * 128, rank 512, batch 2048, tables of 1M rows at D = 128 with 4
 lookups a sample; --scale shrinks them for a quick look.
 """
@@ -61,9 +63,11 @@ def _cases(rng, s):
     b = rng.standard_normal(n, dtype=f32)
     x_next, u = ops.cross_layer_forward(x0, xl, v, w, b)
 
-    def jk_cross():
+    def jk_cross(x0=x0, xl=xl, v=v, w=w):
         xn, uu = ops.cross_layer_forward(x0, xl, v, w, b)
         ops.cross_layer_backward(dxn, x0, xl, uu, v, w, b)
+
+    x0h, xlh, vh, wh = (ops.BF16Array.from_float32(a) for a in (x0, xl, v, w))
 
     size = max(1, int((4 << 20) * s))
     p, st, g = (rng.standard_normal(size, dtype=f32) for _ in range(3))
@@ -77,6 +81,8 @@ def _cases(rng, s):
     logits = rng.standard_normal((bsz, 1024), dtype=f32)
     return [
         (f"cross layer fwd+bwd {bsz}x{n} r{r}", jk_cross, lambda: _cross_numpy(x0, xl, v, w, b, dxn)),
+        (f"cross layer bf16 fwd+bwd {bsz}x{n} r{r} (vs fp32 NumPy)", lambda: jk_cross(x0h, xlh, vh, wh),
+         lambda: _cross_numpy(x0, xl, v, w, b, dxn)),
         (f"adagrad_ {size:,}", lambda: ops.adagrad_(p, st, g, 1e-6, 1e-8), lambda: _adagrad_numpy(p, st, g, 1e-6, 1e-8)),
         (f"split_sgd_ {size:,}", lambda: ops.split_sgd_(hi, lo, g, 1e-6),
          lambda: _split_sgd_numpy(hi, lo, g, 1e-6)),

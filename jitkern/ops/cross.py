@@ -48,7 +48,7 @@ def _grad_row(i, arrays, acc, flags):
     for j in range(dxn.shape[1]):
         d = dxn[i, j]
         g = d * widen(x0[i, j])                 # x0: float32, or bf16 bits (the bf16 layer)
-        dy[i, j] = g
+        put(dy, (i, j), g)                      # dy: float32, or bf16 bits (what bf16 GEMMs read)
         acc[j] += np.float64(g)
         if accumulate:
             dx0[i, j] += d * yb[i, j]
@@ -60,7 +60,8 @@ def _grad_row(i, arrays, acc, flags):
 
 @jit(parallel=True)
 def _grad(arrays, db, flags):
-    """arrays = (dx_next, x0, yb, dy, dxl, dx0), all (B, n) float32: dy = dx_next * x0; dx0 +=
+    """arrays = (dx_next, x0, yb, dy, dxl, dx0), all (B, n) float32 (x0 and dy may be bf16 bits: dy is
+    then rounded, db still sums the unrounded values): dy = dx_next * x0; dx0 +=
     dx_next * yb (flags[0], accumulate) or yb = dx_next * yb (in place); dxl = dx_next (flags[1]);
     db (n,) = column sums of dy, each chunk's rows in order (float64), then the chunks in order."""
     B, n = arrays[0].shape
@@ -76,10 +77,11 @@ def _grad(arrays, db, flags):
         db[j] = s
 
 
-def _fused_backward(dx_next, x0, inputs, y, recompute, accumulate_dx0, out_dxl):
+def _fused_backward(dx_next, x0, inputs, y, recompute, accumulate_dx0, out_dxl, dy_dtype=np.float32):
     """The backward's outputs checked (inputs: the layer's arrays, for overlap checks), then the
     fused pass -> (dy, dxl, dx0, db); y + b is y, or recompute() (over which dx0 is then written
-    unless accumulated). x0 float32 or bf16 bits; dy is this thread's buffer."""
+    unless accumulated). x0 float32 or bf16 bits; dy is this thread's buffer, float32 or (dy_dtype
+    uint16) bf16 bits."""
     B, n = dx_next.shape
     if y is not None:
         _check.output("y", y, (B, n), dx_next, *inputs)
@@ -90,7 +92,7 @@ def _fused_backward(dx_next, x0, inputs, y, recompute, accumulate_dx0, out_dxl):
         if out_dxl is not dx_next:
             _check.no_overlap("out_dxl", out_dxl, dx_next, what="dx_next (unless it is dx_next itself)")
     yb = recompute() if y is None else y
-    dy = thread_buffer("cross_dy", np.float32, B * n).reshape(B, n)
+    dy = thread_buffer(f"cross_dy_{np.dtype(dy_dtype).name}", dy_dtype, B * n).reshape(B, n)
     dxl = np.empty((B, n), np.float32) if out_dxl is None else out_dxl
     dx0 = yb if accumulate_dx0 is None else accumulate_dx0
     db = np.zeros(n, np.float32)

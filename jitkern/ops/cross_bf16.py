@@ -3,10 +3,10 @@ xl, v, w): the precision="bf16" DCNv2 interaction.
 
 Forward: u = bf16(xl @ v.T) and y = u @ w.T + b (fp32) by the bf16 linear ops, then one pass
 x_next = bf16(x0 * y + xl), the fp32 value rounded once (x_next is the next layer's GEMM operand
-and the top MLP's input). Backward: the fp32 pass of the fp32 layer (dy = dx_next * x0, dx0, dxl's
-first term dx_next; x0 widened on the fly), then the W layer's (r -> n) and V layer's (n -> r)
-backward by the bf16 linear_backward: both read their gradient rounded to bf16 (du is bf16) and
-give fp32 weight gradients (db: the fused pass's sums of the unrounded dy); dxl += du @ v in fp32.
+and the top MLP's input). Backward: the fp32 layer's fused pass (dy = dx_next * x0, written
+rounded to bf16; dx0; dxl's first term dx_next; x0 widened on the fly; db from the unrounded dy),
+then the W layer's (r -> n) and V layer's (n -> r) backward by the bf16 linear_backward (du is
+bf16; fp32 weight gradients), and dxl += du @ v in fp32.
 """
 from __future__ import annotations
 
@@ -66,9 +66,10 @@ def backward(dx_next, x0, xl, u, v, w, b, y, fused, accumulate_dx0, out_dxl):
         dx_next = BF16Array(_check.bf16_array("dx_next", dx_next, shape=(B, n))).to_float32()
     dx_next = _check.float_array("dx_next", dx_next, shape=(B, n))
     dy, dxl, dx0, db = fused(dx_next, x0.bits, (x0.bits, xl.bits, u.bits, v.bits, w.bits, b), y,
-                             lambda: gemm_bf16.linear_forward(u, w, b), accumulate_dx0, out_dxl)
-    # the W layer (r -> n): du (bf16, what the V layer's GEMMs read) and dw; then the V layer (n -> r)
-    du, dw, _ = gemm_bf16.linear_backward(dy, u, w, dx_dtype="bfloat16")
+                             lambda: gemm_bf16.linear_forward(u, w, b), accumulate_dx0, out_dxl, np.uint16)
+    # the W layer (r -> n): du (bf16, what the V layer's GEMMs read) and dw from dy rounded in the
+    # fused pass; then the V layer (n -> r)
+    du, dw, _ = gemm_bf16.linear_backward(BF16Array(dy), u, w, dx_dtype="bfloat16")
     dvx = thread_buffer("cross_dvx", np.float32, B * n).reshape(B, n)
     _, dv, _ = gemm_bf16.linear_backward(du, xl, v, out_dx=dvx)
     np.add(dxl, dvx, out=dxl)
