@@ -121,6 +121,17 @@ def test_ranks_match_one_process(ranks, interaction, self_interaction, precision
 
 
 @needs_mpi
+@pytest.mark.parametrize("ranks, optimizer", [(2, "sgd"), (3, "adagrad")])
+def test_sharded_update_equals_the_allreduced_update(ranks, optimizer):
+    # each rank updates its chunk of the summed gradients and the values are gathered: the same
+    # bits as every rank updating everything after an allreduce (fp32 and Split weights, state)
+    r, _ = _mpiexec(ranks, "sharded_update.py", optimizer)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == dict(ranks=ranks, same_weights=True, same_state=True, moved=True, replicas_identical=True), out
+
+
+@needs_mpi
 @pytest.mark.parametrize("mode", ["raise", "kill", "exit"])
 def test_failing_rank_ends_every_rank_promptly(mode):
     r, end = _mpiexec(3, "fault.py", mode, 1, timeout=90)

@@ -5,14 +5,16 @@ from rates measured on the CPU at hand.
 
 One step on rank r (see dist.py for the schedule it models):
 
-    compute_r = dense stages at r's batch slice + its table pieces' lookups and updates
+    compute_r = dense stages at r's batch slice (the dense update at 1/P: it is sharded)
+                + its table pieces' lookups and updates
                 + the per-sample work of every sharding (bucketing lookups for row shards,
                   summing partial pools, assembling column blocks, packing gradients)
     ids       = row shards' lookups sent to their shards (two alltoallvs: lengths, then rows),
                 exposed minus the pooling r does while they travel
     alltoall  = pooled pieces (and, in reverse, their gradients), behind the bottom MLP
     node      = table-row-wise partial pools summed inside a node (and their gradients back)
-    allreduce = MLP and replicated-table gradients, behind the backward
+    allreduce = MLP and replicated-table gradients, behind the backward (the MLPs' as a
+                reduce-scatter of gradients and an allgather of updated weights: the same bytes)
 
 and the step is the slowest rank's compute plus the exposed communication.
 """
@@ -259,6 +261,12 @@ def dense_estimate(bottom, top, rows: int, gflops: float = DENSE_GFLOPS, cross=N
     return out
 
 
+def dense_seconds(dense: dict, nranks: int) -> float:
+    """One rank's dense stages (seconds per stage at its batch slice): all of them, but the dense
+    update at 1/P, since each rank updates its 1/P of the MLPs (dense_shard.py)."""
+    return sum(dense.values()) - dense.get("dense_upd", 0.0) * (1 - 1 / nranks)
+
+
 @dataclass(frozen=True)
 class StepEstimate:
     """Seconds of one step: the slowest rank's compute, each exchange's link time, what is exposed."""
@@ -280,7 +288,7 @@ def estimate(load: Load, kinds, dense: dict, mlp_bytes: int, network: Network, t
     kinds = set(kinds)
     P = load.nranks
     bw, lat = network.bandwidth * 1e9, network.latency * 1e-6
-    dense_s = sum(dense.values())
+    dense_s = dense_seconds(dense, P)
     emb = float(load.comp.max())
     a2a = ids = node = ar = 0.0
     ids_exposed = 0.0

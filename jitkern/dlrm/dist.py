@@ -8,8 +8,9 @@ The step schedule is the base model's; this model overrides the stages that comm
 the bottom MLP forward: row shards' lookups go to their shards, every piece pools, and the pooled
 pieces (after the in-node sums of table-row-wise tables) are posted in one alltoallv, waited for
 after the bottom MLP. Their gradients go back by the reverse alltoallv (then the in-node hand-out)
-posted before the bottom MLP backward; MLP, cross-network (dcn) and replicated-table gradients
-are allreduced in buckets as each layer's are ready (layer_done, interaction_backward).
+posted before the bottom MLP backward. MLP and cross-network (dcn) gradients go out in buckets as
+each layer's are ready (layer_done, interaction_backward): reduce-scattered, each rank updates its
+chunk, the new values are allgathered (dense_shard.py); replicated-table gradients are allreduced.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..codegen.knobs import Workload
 from ..config import get_config
 from ..ops.bf16 import BF16Array
 from .costmodel import Network, dense_estimate
+from .dense_shard import ShardedUpdate, post_in_buckets
 from .exchange import CommStat, Exchange
 from .launch import comm_from_env, describe_ranks, install_fault_handlers, node_groups
 from .layout import ROW_KINDS, Layout
@@ -35,7 +37,6 @@ from .sharding import ColumnGroup, make_shard
 
 __all__ = ["DistributedDLRM", "comm_from_env"]  # comm_from_env: launch.py's, kept importable from here
 
-BUCKET_BYTES = 1 << 20      # MLP gradients are allreduced in buckets of about this size
 PLAN_BATCH = 2048           # the global batch plans are made for unless told
 
 
@@ -45,6 +46,7 @@ class _DistStep(StepContext):
     layout: Layout = None
     comm_before: tuple = (0.0, 0.0)     # (hidden, exposed) communication seconds at the start
     grads: list = field(default_factory=list)      # gradients waiting for an allreduce bucket
+    updates: list = field(default_factory=list)    # (param, state, grad) waiting for a sharded-update bucket
     alltoall: object = None             # the pooled-pieces exchange in flight
     loss_op: object = None              # the allreduce of the loss parts
     ids_out: dict = field(default_factory=dict)    # (shard rank, table) -> my slice's rows for it
@@ -158,6 +160,7 @@ class DistributedDLRM(DLRM, comm_variant=True):
         self._held = [s for s in self.shards if s.held and s.kind != "replicate"]
         self._replicas = [s for s in self.shards if s.kind == "replicate"]
         self._init_dense(rs)                           # drawn where one process draws it
+        self._sharded = ShardedUpdate(self.exchange, self.dense_opt)
 
     def _init_table_state(self):
         """None here: each piece holds the optimizer state of its region (Shard.init)."""
@@ -366,32 +369,40 @@ class DistributedDLRM(DLRM, comm_variant=True):
         return super().loss_backward(ctx, probs) * np.float32(ctx.layout.b / ctx.layout.batch)
 
     def _post_grads(self, pending, arrays, final=False):
-        """Allreduce gradients as they appear: a bucket's worth or more alone and in place (no
-        packing copy), smaller ones packed together until they fill a bucket."""
-        for a in arrays:
-            if a.nbytes >= BUCKET_BYTES:
-                self.exchange.iallreduce("allreduce_grads", [a])
-            else:
-                pending.append(a)
-        if pending and (final or sum(a.nbytes for a in pending) >= BUCKET_BYTES):
-            self.exchange.iallreduce("allreduce_grads", list(pending))
-            pending.clear()
+        """Allreduce gradients (replicated tables') in buckets (dense_shard.post_in_buckets)."""
+        post = lambda b: self.exchange.iallreduce("allreduce_grads", b)
+        post_in_buckets(pending, arrays, lambda a: a.nbytes, post, final)
+        self.exchange.progress()
+
+    def _post_dense(self, ctx: _DistStep, items, final=False):
+        """(param, state, grad) triples in buckets (dense_shard.post_in_buckets), each bucket's
+        update sharded over the ranks instead of applied whole on every rank."""
+        post = lambda b: self._sharded.post("allreduce_grads", b, ctx.lr)
+        post_in_buckets(ctx.updates, items, lambda i: i[2].nbytes, post, final)
         self.exchange.progress()
 
     def layer_done(self, ctx: _DistStep, mlp, grads):
-        """Between MLP layers: let posted exchanges progress; in backward, bucket the layer's grads
-        (the bottom MLP's first layer is the last to finish: it flushes the bucket)."""
+        """Between MLP layers: let posted exchanges progress; in backward, bucket the layer's
+        parameters for their sharded update (the bottom MLP's first layer is the last to finish: it
+        flushes the buckets, the replicated tables' gradients too)."""
         if grads is None:
             self.exchange.progress()
-        else:
-            l, dw, db = grads
-            self._post_grads(ctx.grads, [dw, db], final=mlp == "bottom" and l == 0)
+            return
+        l, dw, db = grads
+        prefix, ws, bs = ("bot", self.bot_w, self.bot_b) if mlp == "bottom" else ("top", self.top_w, self.top_b)
+        state = self.opt_state.get
+        final = mlp == "bottom" and l == 0
+        self._post_dense(ctx, [(ws[l], state(f"{prefix}.{l}.weight"), dw), (bs[l], state(f"{prefix}.{l}.bias"), db)],
+                         final=final)
+        if final:
+            self._post_grads(ctx.grads, [], final=True)
 
     def interaction_backward(self, ctx: _DistStep, dz, x, ly):
-        """The base stage, then the cross network's gradients (dcn) join the allreduce buckets."""
+        """The base stage, then the cross network's parameters (dcn) join the update buckets."""
         out = super().interaction_backward(ctx, dz, x, ly)
-        if ctx.cross_grads:
-            self._post_grads(ctx.grads, [g for layer in ctx.cross_grads for g in layer])
+        for l, grads in enumerate(ctx.cross_grads or ()):
+            params = (self.cross_v[l], self.cross_w[l], self.cross_b[l])
+            self._post_dense(ctx, [(p, self.opt_state.get(f"cross.{l}.{n}"), g) for n, p, g in zip("vwb", params, grads)])
         return out
 
     def embedding_backward_start(self, ctx: _DistStep, dly) -> None:
@@ -413,7 +424,7 @@ class DistributedDLRM(DLRM, comm_variant=True):
                 return lay.node_bwd_send, lay.node_recv_counts, lay.node_bwd_recv, lay.node_send_counts
         ctx.alltoall = self.exchange.ialltoallv("alltoall_bwd", *main, then=then)
         with self.timer("embedding_upd"):
-            ctx.grads.extend(s.grad(ctx, dly[:, s.t]) for s in self._replicas)
+            self._post_grads(ctx.grads, [s.grad(ctx, dly[:, s.t]) for s in self._replicas])
 
     def embedding_update(self, ctx: _DistStep, dly) -> None:
         """Each piece's update with the gradients of all B rows, which the reverse exchange brings."""
@@ -424,9 +435,10 @@ class DistributedDLRM(DLRM, comm_variant=True):
                 self.exchange.progress()
 
     def dense_update(self, ctx: _DistStep, bot_grads, top_grads) -> None:
-        """Once every gradient allreduce is in: SGD of the MLPs, then the replicated tables' updates."""
-        self.exchange.wait_all()
-        super().dense_update(ctx, bot_grads, top_grads)
+        """Once every exchange is in (the MLPs' and cross network's sharded updates with them):
+        the replicated tables' updates."""
+        with self.timer("dense_upd"):
+            self.exchange.wait_all()
         with self.timer("embedding_upd"):
             for s in self._replicas:
                 s.update(ctx)

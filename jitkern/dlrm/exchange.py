@@ -116,6 +116,11 @@ class Exchange:
         op = _Op(name, stages, wire)
         return self._start(op, nbytes)
 
+    def post_stages(self, name, stages, messages: int, nbytes: int, finish=None) -> _Op:
+        """Post a caller-built collective: `stages`, functions each posting one non-blocking call
+        (the first on `comm`, later ones on `comm2`) when the previous is in; finish() at the end."""
+        return self._start(_Op(name, stages, self._wire(messages, nbytes), finish), nbytes)
+
     def iallreduce(self, name, arrays) -> _Op:
         """Post a sum over ranks of float32 (or float64) arrays, in place, identical on every rank.
 

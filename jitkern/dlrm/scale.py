@@ -27,7 +27,7 @@ from .. import set_num_threads
 from ..config import sleep_idle_workers
 from ..report import print_table
 from .configs import CONFIGS, ModelConfig, interaction_width
-from .costmodel import Network, Rates, dense_estimate, estimate
+from .costmodel import Network, Rates, dense_estimate, dense_seconds, estimate
 from .placement import batch_slices, place_tables
 from .planner import AUTO, plan_load, plan_sharding, whole_table_plan
 
@@ -398,9 +398,10 @@ def report_mode(cfg: ModelConfig, mode: str, args, rates: Rates, network: Networ
     print(f"{mode} scaling ({'global' if mode == 'strong' else 'per-rank'} batch {args.batch}):")
     print_table(HEADERS, [p.row(base.step, mode == "weak") for p in [base] + preds])
     planned, whole = preds[0], preds[1]
-    bound = base.step / sum(dense.values()) / (P if mode == "strong" else 1)
+    dense_s = dense_seconds(dense, P)
+    bound = base.step / dense_s / (P if mode == "strong" else 1)
     print(f"planned vs whole tables at {P} ranks: {whole.step / planned.step:.2f}x samples/s; the dense stages "
-          f"alone take {sum(dense.values()) * 1e3:.1f} ms at {b} rows per rank: efficiency <= {bound:.2f} even "
+          f"alone take {dense_s * 1e3:.1f} ms at {b} rows per rank: efficiency <= {bound:.2f} even "
           "with free tables and communication")
     print(plan.describe())
 
