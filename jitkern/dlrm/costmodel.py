@@ -65,7 +65,9 @@ class Rates:
 
     lookup_ns: ((width, ns cached, ns from DRAM), ...) per lookup (forward + update); tables up to
     cache_bytes count as cached. call_us: an embedding op call's fixed cost; np_us: a NumPy call's
-    on a block (with the view lookup around it); copy_gbs: block copies and sums; bucket_ns,
+    on a block (with the view lookup around it); block_us: a block op's (ops.scatter_blocks: all
+    of a table's pieces in one call); part_us: each part of a concatenation; copy_gbs: block
+    copies and sums; bucket_ns,
     bucket_us: per lookup and per table, sorting a slice's lookups by row shard; fixed_us: per
     table and step, what a sharding's code costs beyond the terms above (the Python around the
     calls), by kind, for a rank holding a piece and for one only receiving (scale.py measures it).
@@ -74,6 +76,8 @@ class Rates:
     cache_bytes: int = 8 << 20
     call_us: float = 6.0
     np_us: float = 1.0
+    block_us: float = 5.0
+    part_us: float = 0.3
     copy_gbs: float = 10.0
     bucket_ns: float = 12.0
     bucket_us: float = 30.0
@@ -96,6 +100,10 @@ class Rates:
 
     def copy(self, nbytes, calls: int = 1):
         return nbytes / (self.copy_gbs * 1e9) + calls * self.np_us * 1e-6
+
+    def blocks(self, nbytes, calls: int = 1):
+        """Block ops moving nbytes in all."""
+        return nbytes / (self.copy_gbs * 1e9) + calls * self.block_us * 1e-6
 
     def bucket(self, nnz):
         return nnz * self.bucket_ns * 1e-9 + self.bucket_us * 1e-6
@@ -172,9 +180,13 @@ def add_table(load: Load, table: TableLoad, sharding, batch: int, rates: Rates) 
         rows, width = r1 - r0, c1 - c0
         share = rows / R
         t = rates.table_seconds(rows, width, nnz * share, batch)
-        work = t + rates.copy(2 * batch * width * 4, 2 * load.nranks)
+        # the pieces sent and the gradients gathered: a block op each (table_row sends to its node
+        # by a NumPy copy per sample owner); row kinds concatenate every rank's lookups
+        work = t + rates.blocks(2 * batch * width * 4, 2 if kind != "table_row" else 1)
+        if kind == "table_row":
+            work += rates.copy(0, load.nranks)
         if kind in ("row", "table_row"):
-            work += rates.copy(nnz * share * GRAD_ITEM, 3 * load.nranks)
+            work += rates.copy(nnz * share * GRAD_ITEM, 3) + 2 * load.nranks * rates.part_us * 1e-6
         else:
             load.pre[s] += FWD_SHARE * t
         if kind == "table_row":     # the forwarder's sum of the node's partial pools
@@ -214,9 +226,11 @@ def _add_receivers(load: Load, sharding, b: np.ndarray, pooling: float, D: int, 
         load.comp += rates.copy(b * D * 4)
     elif kind == "column":
         load.comp += rates.copy(2 * b * D * 4, 2 * k)
-    else:               # row: sum k partial pools, send the gradient to k shards; table_row: to one
-        blocks = 2 * k if kind == "row" else 1
-        load.comp += rates.bucket(b * pooling) + rates.copy(blocks * b * D * 4, blocks + 2)
+    else:
+        if kind == "row":   # sum k partial pools, send the gradient to k shards: a block op each
+            load.comp += rates.bucket(b * pooling) + rates.blocks(2 * k * b * D * 4, 2) + rates.copy(0, k + 2)
+        else:               # table_row: the gradient to one forwarder
+            load.comp += rates.bucket(b * pooling) + rates.copy(b * D * 4, 3)
         load.ids += b * pooling * GRAD_ITEM + k * b * GRAD_ITEM
 
 

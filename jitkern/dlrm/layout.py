@@ -57,7 +57,11 @@ class Layout:
         self._dout = np.empty(batch * D, np.float32)
         self._ly: dict = {}
         self._replica: dict = {}
+        self._offsets: dict = {}
         self.int_scratch = Scratch()
+        # each peer's rows of the global batch, as the block ops (ops.scatter_blocks, ...) take them
+        self.starts = np.array([lo for lo, _ in self.slices], np.int64)
+        self.stops = np.array([hi for _, hi in self.slices], np.int64)
 
     def _ids(self, plan, rows) -> None:
         """Stage one of the row shards' lookups: the per-bag lengths, a fixed layout."""
@@ -97,6 +101,24 @@ class Layout:
         self.node_bwd_recv, _, self.node_bwd_in = _pack(send)
         self.node_bwd_send, _, self.node_bwd_out = _pack(recv)
         self._node_sum = np.empty((n.get(me, 0), D), np.float32)
+
+    # ---- where pieces sit in the flat buffers (one block op moves all of a table's pieces)
+    def _where(self, key, views, flat, peers, t) -> np.ndarray:
+        got = self._offsets.get(key)
+        if got is None:
+            base = flat.ctypes.data
+            got = self._offsets[key] = np.array([(views[q, t].ctypes.data - base) // 4 for q in peers], np.int64)
+        return got
+
+    def send_offsets(self, t: int) -> np.ndarray:
+        """Element offsets of fwd_out[q, t] in fwd_send for every peer q: also those of bwd_in[q, t]
+        in bwd_recv (the same layout)."""
+        return self._where(("send", t), self.fwd_out, self.fwd_send, range(self.nranks), t)
+
+    def recv_offsets(self, t: int, sources) -> np.ndarray:
+        """Element offsets of fwd_in[s, t] in fwd_recv for s in `sources` (a tuple): also those of
+        bwd_out[s, t] in bwd_send."""
+        return self._where(("recv", t, sources), self.fwd_in, self.fwd_recv, sources, t)
 
     # ---- per-step scratch
     def scratch(self, width: int) -> np.ndarray:

@@ -147,9 +147,9 @@ class MeasuredRates(Rates):
 
 
 def calibrate() -> dict:
-    """The cost model's small rates on this CPU: an embedding op's and a NumPy block copy's fixed
-    cost (views looked up as the shardings do), block copy bandwidth, bucketing lookups by row
-    shard (per lookup and per call)."""
+    """The cost model's small rates on this CPU: an embedding op's, a NumPy block copy's (views
+    looked up as the shardings do) and a block op's fixed cost, a concatenation's per part, block
+    copy bandwidth, bucketing lookups by row shard (per lookup and per call)."""
     from .. import ops
     from .sharding import Scratch, bucket
 
@@ -157,6 +157,14 @@ def calibrate() -> dict:
     src = np.ones((128, 64), np.float32)
     np_us = _min_time(lambda: [views[q, 0].__setitem__(Ellipsis, src[32 * q:32 * q + 32])
                                for _ in range(25) for q in range(4)], 5) / 100 * 1e6
+    flat = np.zeros(128 * 64, np.float32)
+    offs, starts = np.arange(4, dtype=np.int64) * 32 * 64, np.arange(4, dtype=np.int64) * 32
+    stops = starts + 1         # one row per block: the call's fixed cost
+    block_us = _min_time(lambda: [ops.scatter_blocks(src, flat, offs, starts, stops) for _ in range(50)], 5) / 50 * 1e6
+    parts = {(q, 0): np.arange(50, dtype=np.int64) for q in range(64)}
+    cat = np.empty(64 * 50, np.int64)
+    part_us = _min_time(lambda: [np.concatenate([parts[q, 0] for q in range(64)], out=cat) for _ in range(20)],
+                        5) / 20 / 64 * 1e6
     w, one = np.ones((4, 16), np.float32), np.zeros(1, np.int64)
     call_us = _min_time(lambda: [ops.embedding_bag_forward(w, one, one) for _ in range(100)], 5) / 100 * 1e6
     big, dst = np.ones((8192, 512), np.float32), np.empty((8192, 512), np.float32)   # 16 MB: past the L2s
@@ -168,7 +176,7 @@ def calibrate() -> dict:
     big_s = _min_time(lambda: bucket(np.arange(b, dtype=np.int64) * (n // b), idx, bounds, scratch), 5)
     small = np.arange(32, dtype=np.int64)
     bucket_us = _min_time(lambda: [bucket(small, small * 1000, bounds, scratch) for _ in range(20)], 5) / 20 * 1e6
-    return dict(np_us=np_us, call_us=call_us, copy_gbs=copy_gbs, bucket_us=bucket_us,
+    return dict(np_us=np_us, block_us=block_us, part_us=part_us, call_us=call_us, copy_gbs=copy_gbs, bucket_us=bucket_us,
                 bucket_ns=max(big_s - bucket_us * 1e-6, 0.0) / n * 1e9)
 
 
@@ -416,7 +424,7 @@ def main(argv=None) -> int:
     set_num_threads(args.threads)
     rates = measured_rates()
     print(f"scaling model: {args.config}, {args.bandwidth} GB/s, {args.latency} us per message, "
-          f"{args.threads} thread(s) per rank, rates measured on this CPU (NumPy block op {rates.np_us:.2f} us, "
+          f"{args.threads} thread(s) per rank, rates measured on this CPU (NumPy block op {rates.np_us:.2f} us, block op {rates.block_us:.1f} us, "
           f"embedding op {rates.call_us:.1f} us, copies {rates.copy_gbs:.1f} GB/s, "
           f"bucketing {rates.bucket_us:.0f} us + "
           f"{rates.bucket_ns:.1f} ns per lookup)")

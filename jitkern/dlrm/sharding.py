@@ -191,8 +191,12 @@ class Shard:
         lay = st.layout
         pooled = lay.scratch(self.width)
         ops.embedding_bag_forward(self.weight, st.indices[self.t], st.offsets[self.t], out=pooled)
-        for q, (lo, hi) in enumerate(lay.slices):
-            lay.fwd_out[q, self.t][...] = pooled[lo:hi]
+        self.send_partial(st, pooled)
+
+    def send_partial(self, st, pooled) -> None:
+        """Each peer's rows of the pooled (batch, width) into its piece of the send buffer."""
+        lay = st.layout
+        ops.scatter_blocks(pooled, lay.fwd_send, lay.send_offsets(self.t), lay.starts, lay.stops)
 
     def assemble(self, st) -> np.ndarray:
         return st.layout.fwd_in[self.spec.ranks[0], self.t]
@@ -203,10 +207,7 @@ class Shard:
     def gathered_grad(self, st) -> np.ndarray:
         """The pooled gradient (B, width) of the whole batch for my region, from every rank's piece."""
         lay = st.layout
-        dout = lay.dout(self.width)
-        for q, (lo, hi) in enumerate(lay.slices):
-            dout[lo:hi] = lay.bwd_in[q, self.t]
-        return dout
+        return ops.gather_blocks(lay.bwd_recv, lay.send_offsets(self.t), lay.starts, lay.stops, lay.dout(self.width))
 
     def update(self, st) -> None:
         t = self.t
@@ -273,25 +274,17 @@ class RowShard(Shard):
         ops.embedding_bag_forward(self.weight, rows, off, out=pooled)
         self.send_partial(st, pooled)
 
-    def send_partial(self, st, pooled) -> None:
-        lay = st.layout
-        for q, (lo, hi) in enumerate(lay.slices):
-            lay.fwd_out[q, self.t][...] = pooled[lo:hi]
-
     def assemble(self, st) -> np.ndarray:
-        lay = st.layout
-        parts = [lay.fwd_in[s, self.t] for s in self.spec.ranks]
-        if len(parts) == 1:
-            return parts[0]
-        ly = lay.ly_buffer(self.t)
-        np.add(parts[0], parts[1], out=ly)
-        for p in parts[2:]:
-            np.add(ly, p, out=ly)
-        return ly
+        lay, ranks = st.layout, tuple(self.spec.ranks)
+        if len(ranks) == 1:
+            return lay.fwd_in[ranks[0], self.t]
+        return ops.sum_blocks(lay.fwd_recv, lay.recv_offsets(self.t, ranks), lay.ly_buffer(self.t))
 
     def grad(self, st, dly) -> None:
-        for s in self.spec.ranks:
-            st.layout.bwd_out[s, self.t][...] = dly
+        lay = st.layout
+        k = len(self.spec.ranks)
+        ops.scatter_blocks(dly, lay.bwd_send, lay.recv_offsets(self.t, tuple(self.spec.ranks)), np.zeros(k, np.int64),
+                           np.full(k, lay.b, np.int64))
 
     def update(self, st) -> None:
         off, rows = st.row_bags[self.t]

@@ -1,6 +1,7 @@
 """Public kernels: checked wrappers over generated code. References live in ops.reference."""
 from .activation import sigmoid_backward, sigmoid_forward
 from .bf16 import BF16Array, join_float32, split_float32
+from .blocks import gather_blocks, scatter_blocks, sum_blocks
 from .cross import cross_layer_backward, cross_layer_forward
 from .embedding import (
     SplitBF16Table,
@@ -34,4 +35,5 @@ __all__ = [
     "sigmoid_bce_backward", "sigmoid_bce_forward",
     "sigmoid_forward", "sigmoid_loss_backward", "sigmoid_loss_forward",
     "QuantizedTable", "embedding_bag_quantized_forward", "quantize_rowwise",
+    "gather_blocks", "scatter_blocks", "sum_blocks",
 ]

@@ -482,3 +482,26 @@ def embedding_bag_quantized_forward(table, indices, offsets, *, mode="sum", per_
     return embedding_bag_forward(dequantize_rowwise(table), indices, offsets, mode=mode,
                                  per_sample_weights=per_sample_weights, include_last_offset=include_last_offset)
 
+
+
+# --------------------------------------------------------------------------- row blocks
+
+
+def scatter_blocks(src, dst, offsets, starts, stops):
+    for o, a, b in zip(offsets, starts, stops):
+        dst[o:o + (b - a) * src.shape[1]] = src[a:b].ravel()
+    return dst
+
+
+def gather_blocks(src, offsets, starts, stops, out):
+    for o, a, b in zip(offsets, starts, stops):
+        out[a:b] = src[o:o + (b - a) * out.shape[1]].reshape(b - a, out.shape[1])
+    return out
+
+
+def sum_blocks(src, offsets, out):
+    parts = [src[o:o + out.size].reshape(out.shape) for o in offsets]
+    out[...] = parts[0]
+    for p in parts[1:]:
+        np.add(out, p, out=out)
+    return out

@@ -1,0 +1,129 @@
+"""Row blocks between a (rows, w) array and a flat buffer: the copies and sums of a message buffer.
+
+An alltoallv buffer holds one block per peer; splitting an array's rows into P blocks, or adding P
+received partial sums, costs P NumPy calls (about 0.7 us each) per table and step: at 64 ranks
+more than the data moved. Each op here is one call, whatever P:
+
+    scatter_blocks(src, dst, offsets, starts, stops)  dst[o_i : o_i + n_i] = src[start_i:stop_i]
+    gather_blocks(src, offsets, starts, stops, out)   out[start_i:stop_i] = src[o_i : o_i + n_i]
+    sum_blocks(src, offsets, out)                     out = src[o_0 : ...] + src[o_1 : ...] + ...
+
+with n_i = (stop_i - start_i) * w elements, blocks row-major; sum_blocks adds in block order, in
+float32, as repeated np.add does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..codegen import jit
+from . import _check
+
+
+@jit(inline="always")
+def _u(i):
+    return np.uint64(i)  # unsigned: no negative-index wraparound in the copy loops
+
+
+@jit()
+def _bad_block(nrows, w, size, offsets, starts, stops):
+    """The first block that does not fit (rows past nrows, elements past size), -2 for arrays of
+    different lengths, or -1."""
+    if starts.shape[0] != offsets.shape[0] or stops.shape[0] != offsets.shape[0]:
+        return -2
+    for i in range(offsets.shape[0]):
+        a, b, o = starts[i], stops[i], offsets[i]
+        if a < 0 or b < a or b > nrows or o < 0 or o + (b - a) * w > size:
+            return i
+    return -1
+
+
+@jit()
+def _move(rows, flat, offsets, starts, stops, shape, scatter):
+    """Checks every block, then copies rows -> flat (scatter) or flat -> rows: -> _bad_block's code.
+    rows: the (nrows, w) = shape array flattened."""
+    nrows, w = shape
+    bad = _bad_block(nrows, w, flat.shape[0], offsets, starts, stops)
+    if bad != -1:
+        return bad
+    for i in range(offsets.shape[0]):
+        a, o = starts[i] * w, offsets[i]
+        for e in range((stops[i] - starts[i]) * w):
+            if scatter:
+                flat[_u(o + e)] = rows[_u(a + e)]
+            else:
+                rows[_u(a + e)] = flat[_u(o + e)]
+    return -1
+
+
+@jit(fastmath=frozenset())  # strict IEEE: the sums round as np.add's do
+def _sum(src, offsets, out):
+    """out = the blocks' sum, in block order; -> the first block past src's end (nothing written), or -1."""
+    n = out.size
+    for i in range(offsets.shape[0]):
+        if offsets[i] < 0 or offsets[i] + n > src.shape[0]:
+            return i
+    flat = out.reshape(n)
+    o0 = offsets[0]
+    for e in range(n):
+        flat[_u(e)] = src[_u(o0 + e)]
+    for i in range(1, offsets.shape[0]):
+        o = offsets[i]
+        for e in range(n):
+            flat[_u(e)] += src[_u(o + e)]
+    return -1
+
+
+def _ints(name, a):
+    a = _check.index_array(name, a)
+    return a if a.dtype == np.int64 else a.astype(np.int64)
+
+
+def scatter_blocks(src, dst, offsets, starts, stops):
+    """dst[offsets[i] : offsets[i] + (stops[i] - starts[i]) * w] = src[starts[i]:stops[i]] (row-major)
+    for each block i; src: (rows, w) float32, dst: flat float32 (written in place). Returns dst."""
+    return _blocks(("src", src), ("dst", dst), (offsets, starts, stops), scatter=True)[1]
+
+
+def gather_blocks(src, offsets, starts, stops, out):
+    """out[starts[i]:stops[i]] = src[offsets[i] : offsets[i] + (stops[i] - starts[i]) * w] for each
+    block i; src: flat float32, out: (rows, w) float32 (written in place). Returns out."""
+    return _blocks(("out", out), ("src", src), (offsets, starts, stops), scatter=False)[0]
+
+
+def _blocks(rows_arg, flat_arg, blocks, scatter):
+    """Check the (name, array) of the 2-D side and the flat side (the written one in place) and the
+    blocks, then move them; -> (rows, flat). Raises naming the block that does not fit."""
+    (rname, rows), (fname, flat) = rows_arg, flat_arg
+    rows = _check.float_array(rname, rows, ndim=2, copy=scatter, writeable=not scatter)
+    flat = _check.float_array(fname, flat, ndim=1, copy=not scatter, writeable=scatter)
+    if scatter:
+        _check.no_overlap(fname, flat, rows, what=rname)
+    else:
+        _check.no_overlap(rname, rows, flat, what=fname)
+    offsets, starts, stops = (_ints(n, a) for n, a in zip(("offsets", "starts", "stops"), blocks))
+    bad = _move(rows.reshape(-1), flat, offsets, starts, stops, rows.shape, scatter)
+    if bad == -2:
+        raise ValueError(f"offsets, starts and stops must have one entry per block, got shapes "
+                         f"{offsets.shape}, {starts.shape}, {stops.shape}")
+    if bad >= 0:
+        a, b, o = int(starts[bad]), int(stops[bad]), int(offsets[bad])
+        raise ValueError(f"block {bad} does not fit: starts and stops must satisfy 0 <= start <= stop <= "
+                         f"{rows.shape[0]} (the array's rows), and offsets must place it inside {fname} "
+                         f"({flat.size} elements); got start {a}, stop {b}, offset {o}")
+    return rows, flat
+
+
+def sum_blocks(src, offsets, out):
+    """out = the sum of the blocks src[offsets[i] : offsets[i] + out.size] (out's shape, row-major),
+    added in block order in float32; src: flat float32, out float32 (written). Returns out."""
+    src = _check.float_array("src", src, ndim=1)
+    out = _check.float_array("out", out, copy=False, writeable=True)
+    _check.no_overlap("out", out, src, what="src")
+    offsets = _ints("offsets", offsets)
+    if offsets.size == 0:
+        raise ValueError("offsets must name at least one block")
+    bad = _sum(src, offsets, out)
+    if bad >= 0:
+        raise ValueError(f"offsets must place every block inside src ({src.size} elements); "
+                         f"block {bad} at {int(offsets[bad])} does not fit")
+    return out
