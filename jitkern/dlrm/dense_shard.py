@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops.bf16 import BF16Array
-from .model_state import SplitWeight
+from .model_state import SplitWeight, copy_into
 
 BUCKET_BYTES = 1 << 20      # gradients travel in buckets of about this size
 
@@ -31,94 +30,67 @@ def post_in_buckets(pending, items, nbytes, post, final=False):
 
 
 class _Param:
-    """One parameter of a bucket: flat views of its fp32 values or Split halves, its state, its
-    gradient, and where it sits in the bucket's concatenation."""
+    """One parameter of a bucket: the parameter (an fp32 array or a SplitWeight), its optimizer
+    state, its gradient, and where it sits in the bucket's concatenation."""
     __slots__ = ("p", "state", "grad", "off", "size")
 
     def __init__(self, p, state, grad, off):
         self.p, self.state, self.grad, self.off, self.size = p, state, grad, off, grad.size
 
-    def update(self, opt, a, b, g, lr):
-        """The optimizer on elements a:b of this parameter, g their summed gradient."""
-        s = None if self.state is None else self.state.reshape(-1)[a:b]
-        if isinstance(self.p, SplitWeight):
-            hi, lo = self.p.hi.bits.reshape(-1)[a:b], self.p.lo.reshape(-1)[a:b]
-            piece = SplitWeight.__new__(SplitWeight)
-            piece.hi, piece.lo = BF16Array(hi), lo
-            piece.step(opt, s, g, lr)
-        else:
-            opt.step(self.p.reshape(-1)[a:b], s, g, lr)
-
-    def values(self, a, b):
-        """Its fp32 values a:b (joined from the Split halves for a bf16 weight)."""
-        if isinstance(self.p, SplitWeight):
-            bits = (self.p.hi.bits.reshape(-1)[a:b].astype(np.uint32) << 16) | self.p.lo.reshape(-1)[a:b]
-            return bits.view(np.float32)
-        return self.p.reshape(-1)[a:b]
-
-    def store(self, flat):
-        """Take its values from the gathered flat fp32 array (the slice at its offset)."""
-        v = flat[self.off:self.off + self.size]
-        if isinstance(self.p, SplitWeight):
-            bits = v.view(np.uint32)
-            self.p.hi.bits.reshape(-1)[:] = bits >> 16
-            self.p.lo.reshape(-1)[:] = bits & 0xFFFF
-        else:
-            self.p.reshape(-1)[:] = v
+    def flat(self, a=0, b=None):
+        """Elements a:b of the parameter, flat: an array view, or a SplitWeight of views."""
+        return self.p.flat(a, b) if isinstance(self.p, SplitWeight) else self.p.reshape(-1)[a:b]
 
 
 class ShardedUpdate:
-    """Posts buckets of (parameter, optimizer state, gradient) triples on an Exchange; the dense
-    optimizer `opt` and the step's lr are applied to this rank's chunk when its sums are in."""
+    """Posts buckets of (parameter, optimizer state, gradient) triples on an Exchange; step(p,
+    state, grad, lr), the model's dense optimizer step (fp32 arrays and SplitWeights), is applied
+    with the step's lr to this rank's chunk when its sums are in."""
 
-    def __init__(self, exchange, opt):
-        self.exchange, self.opt = exchange, opt
+    def __init__(self, exchange, step):
+        self.exchange, self.step = exchange, step
 
     def post(self, name, items, lr):
         """Reduce-scatter the gradients, update my chunk, allgather values (and Adagrad state)."""
         ex = self.exchange
-        MPI, P, rank = ex.MPI, ex.size, ex.rank
-        F = MPI.FLOAT
         params, off = [], 0
         for p, state, grad in items:
             params.append(_Param(p, state, grad, off))
             off += grad.size
-        n = off
-        single = len(params) == 1 and params[0].grad.flags.c_contiguous
-        flat = params[0].grad.reshape(-1) if single else np.concatenate([q.grad.reshape(-1) for q in params])
-        base, extra = divmod(n, P)
-        counts = np.array([base + (r < extra) for r in range(P)], np.int64)
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-        lo, hi = int(displs[rank]), int(displs[rank] + counts[rank])
-        chunk = np.empty(hi - lo, np.float32)
-        with_state = any(q.state is not None for q in params)
-        # the gathered values land in the gradient buffer (its sums are used up by then)
+        flat, chunk, parts, F, scatter = ex.scatter_sum([q.grad for q in params])
+        counts, displs = parts
+        lo, hi = int(displs[ex.rank]), int(displs[ex.rank] + counts[ex.rank])
+        # (parameter, its first and last element in my chunk), the parameters my chunk touches
         mine = [(q, max(lo, q.off) - q.off, min(hi, q.off + q.size) - q.off) for q in params
                 if q.off < hi and q.off + q.size > lo]
+        states = any(q.state is not None for q in params)
 
-        def update_and_gather():
+        def gather(values, out):
+            send = np.concatenate([values(q, a, b) for q, a, b in mine]) if mine else chunk[:0]
+            return ex.comm2.Iallgatherv([send, F], [out, parts, F])
+
+        def update_and_gather():  # the gathered values land in flat, whose sums are used up
             for q, a, b in mine:
-                q.update(self.opt, a, b, chunk[q.off + a - lo:q.off + b - lo], lr)
-            send = np.concatenate([q.values(a, b) for q, a, b in mine]) if mine else chunk[:0]
-            return ex.comm2.Iallgatherv([send, F], [flat, (counts, displs), F])
+                s = None if q.state is None else q.state.reshape(-1)[a:b]
+                self.step(q.flat(a, b), s, chunk[q.off + a - lo:q.off + b - lo], lr)
+            return gather(lambda q, a, b: _fp32(q.flat(a, b)), flat)
 
-        stages = [lambda: ex.comm.Ireduce_scatter([flat, F], [chunk, F], counts, MPI.SUM), update_and_gather]
-        gathered_state = np.empty(n if with_state else 0, np.float32)
-        if with_state:
-            def gather_state():
-                send = np.concatenate([_state(q)[a:b] for q, a, b in mine]) if mine else chunk[:0]
-                return ex.comm2.Iallgatherv([send, F], [gathered_state, (counts, displs), F])
-            stages.append(gather_state)
+        gathered_state = np.empty(off if states else 0, np.float32)
+        stages = [scatter, update_and_gather]
+        if states:
+            stages.append(lambda: gather(lambda q, a, b: q.state.reshape(-1)[a:b], gathered_state))
 
         def finish():
             for q in params:
-                q.store(flat)
+                copy_into(q.flat(), flat[q.off:q.off + q.size])
                 if q.state is not None:
                     q.state.reshape(-1)[:] = gathered_state[q.off:q.off + q.size]
 
-        nbytes = (2 + with_state) * 4 * n * (P - 1) // P
-        return ex.post_stages(name, stages, (2 + with_state) * (P - 1), nbytes, finish)
+        P = ex.size
+        nbytes = (2 + states) * 4 * off * (P - 1) // P
+        return ex.post_stages(name, stages, (2 + states) * (P - 1), nbytes, finish)
 
 
-def _state(q):
-    return q.state.reshape(-1)
+def _fp32(p):
+    """fp32 values of an array or a SplitWeight (joined)."""
+    return p.to_float32() if isinstance(p, SplitWeight) else p

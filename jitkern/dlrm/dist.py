@@ -160,7 +160,7 @@ class DistributedDLRM(DLRM, comm_variant=True):
         self._held = [s for s in self.shards if s.held and s.kind != "replicate"]
         self._replicas = [s for s in self.shards if s.kind == "replicate"]
         self._init_dense(rs)                           # drawn where one process draws it
-        self._sharded = ShardedUpdate(self.exchange, self.dense_opt)
+        self._sharded = ShardedUpdate(self.exchange, self._step)
 
     def _init_table_state(self):
         """None here: each piece holds the optimizer state of its region (Shard.init)."""

@@ -121,26 +121,32 @@ class Exchange:
         (the first on `comm`, later ones on `comm2`) when the previous is in; finish() at the end."""
         return self._start(_Op(name, stages, self._wire(messages, nbytes), finish), nbytes)
 
+    def scatter_sum(self, arrays):
+        """The reduce-scatter half of a sum over ranks of float32 (or float64) arrays, concatenated
+        (no copy for one contiguous array): -> (flat, chunk, (counts, displs), MPI type, post), where
+        post() posts the sum of this rank's chunk of flat into chunk (the first stage of an op)."""
+        MPI = self.MPI
+        F = MPI.DOUBLE if arrays[0].dtype == np.float64 else MPI.FLOAT
+        single = len(arrays) == 1 and arrays[0].flags.c_contiguous
+        flat = arrays[0].reshape(-1) if single else np.concatenate([a.reshape(-1) for a in arrays])
+        base, extra = divmod(flat.size, self.size)
+        counts = np.array([base + (r < extra) for r in range(self.size)], np.int64)
+        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+        chunk = np.empty(int(counts[self.rank]), flat.dtype)
+        return flat, chunk, (counts, displs), F, lambda: self.comm.Ireduce_scatter([flat, F], [chunk, F], counts, MPI.SUM)
+
     def iallreduce(self, name, arrays) -> _Op:
         """Post a sum over ranks of float32 (or float64) arrays, in place, identical on every rank.
 
         Reduce-scatter then allgather: each element is summed once, on one rank, so replicas can
         never drift apart by rounding (a plain allreduce does not promise that for P > 2).
         """
-        MPI = self.MPI
-        F = MPI.DOUBLE if arrays[0].dtype == np.float64 else MPI.FLOAT
-        single = len(arrays) == 1 and arrays[0].flags.c_contiguous
-        flat = arrays[0].reshape(-1) if single else np.concatenate([a.reshape(-1) for a in arrays])
-        n = flat.size
-        base, extra = divmod(n, self.size)
-        counts = np.array([base + (r < extra) for r in range(self.size)], np.int64)
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-        chunk = np.empty(int(counts[self.rank]), flat.dtype)
-        stages = [lambda: self.comm.Ireduce_scatter([flat, F], [chunk, F], counts, MPI.SUM),
-                  lambda: self.comm2.Iallgatherv([chunk, F], [flat, (counts, displs), F])]
+        flat, chunk, parts, F, post = self.scatter_sum(arrays)
+        packed = not np.may_share_memory(flat, arrays[0])   # a concatenation: copied back at the end
+        stages = [post, lambda: self.comm2.Iallgatherv([chunk, F], [flat, parts, F])]
 
         def finish():
-            if not single:
+            if packed:
                 o = 0
                 for a in arrays:
                     a.reshape(-1)[:] = flat[o:o + a.size]

@@ -25,6 +25,12 @@ class SplitWeight:
     def nbytes(self) -> int:
         return self.hi.nbytes + self.lo.nbytes
 
+    def flat(self, a=0, b=None) -> "SplitWeight":
+        """Elements a:b of the flattened weight, as a SplitWeight of views (updated in place)."""
+        piece = SplitWeight.__new__(SplitWeight)
+        piece.hi, piece.lo = ops.BF16Array(self.hi.bits.reshape(-1)[a:b]), self.lo.reshape(-1)[a:b]
+        return piece
+
     def to_float32(self) -> np.ndarray:
         """The exact fp32 weight (a new array)."""
         return ops.join_float32(self.hi, self.lo)

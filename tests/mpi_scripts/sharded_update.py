@@ -50,18 +50,22 @@ def main(optimizer):
     opt = DenseAdagrad() if optimizer == "adagrad" else DenseOptimizer()
     sharded, sharded_states = parameters(opt)
     plain, plain_states = parameters(opt)
-    upd = ShardedUpdate(ex, opt)
-    for step in range(3):
-        g1, g2 = gradients(ex.rank, step), gradients(ex.rank, step)
+
+    def step(p, s, g, lr):  # the model's dense step: SplitWeights updated in fp32
+        if isinstance(p, SplitWeight):
+            p.step(opt, s, g, lr)
+        else:
+            opt.step(p, s, g, lr)
+
+    upd = ShardedUpdate(ex, step)
+    for it in range(3):
+        g1, g2 = gradients(ex.rank, it), gradients(ex.rank, it)
         for bucket in BUCKETS:
             upd.post("sharded", [(sharded[i], sharded_states[i], g1[i]) for i in bucket], LR)
             ex.iallreduce("plain", [g2[i] for i in bucket])
         ex.wait_all()
         for p, s, g in zip(plain, plain_states, g2):
-            if isinstance(p, SplitWeight):
-                p.step(opt, s, g, LR)
-            else:
-                opt.step(p, s, g, LR)
+            step(p, s, g, LR)
     same_w = all(np.array_equal(a.view(np.uint32), b.view(np.uint32))
                  for a, b in zip(weights(sharded), weights(plain)))
     same_s = all(s is None or np.array_equal(s.view(np.uint32), t.view(np.uint32))
