@@ -1,5 +1,5 @@
-"""python -m jitkern bench ops [--threads N] [--scale F]: the optimizer, cross-layer, sigmoid and
-per-sample-weight ops against NumPy doing the same work, in this process on the same inputs.
+"""python -m jitkern bench ops [--threads N] [--scale F]: the optimizer, cross-layer, sigmoid,
+per-sample-weight and block ops against NumPy doing the same work, in this process on the same inputs.
 
 Baselines: the same float32 work written in vectorised NumPy (the cross layer's GEMMs through
 NumPy's BLAS; the embedding update through np.add.at, as ops/reference.py coalesces; the bf16
@@ -81,6 +81,23 @@ def _cases(rng, s):
     off = np.arange(bsz, dtype=np.int64) * lookups
     dout = rng.standard_normal((bsz, dim), dtype=f32)
     logits = rng.standard_normal((bsz, 1024), dtype=f32)
+    # a pooled table's 64 per-peer pieces in and out of a message buffer (64 ranks, D = 64)
+    peers, piece, width = 64, max(1, bsz // 64), 64
+    pooled = rng.standard_normal((peers * piece, width), dtype=f32)
+    msg = np.empty(peers * piece * width, f32)
+    at = np.arange(peers, dtype=np.int64) * piece * width
+    starts = np.arange(peers, dtype=np.int64) * piece
+    views = [msg[o:o + piece * width].reshape(piece, width) for o in at]
+    summed = np.empty((piece, width), f32)
+
+    def np_scatter():
+        for q in range(peers):
+            views[q][...] = pooled[q * piece:(q + 1) * piece]
+
+    def np_sum():
+        np.add(views[0], views[1], out=summed)
+        for v in views[2:]:
+            np.add(summed, v, out=summed)
     return [
         (f"cross layer fwd+bwd {bsz}x{n} r{r}", jk_cross, lambda: _cross_numpy(x0, xl, v, w, b, dxn)),
         (f"cross layer bf16 fwd+bwd {bsz}x{n} r{r} (vs fp32 NumPy)", lambda: jk_cross(x0h, xlh, vh, wh),
@@ -94,6 +111,9 @@ def _cases(rng, s):
         (f"embedding_bag_per_sample_weights_backward nnz={idx.size:,}",
          lambda: ops.embedding_bag_per_sample_weights_backward(table, idx, off, dout),
          lambda: _psw_numpy(table, idx, off, dout)),
+        (f"scatter_blocks {peers} blocks of {piece}x{width}",
+         lambda: ops.scatter_blocks(pooled, msg, at, starts, starts + piece), np_scatter),
+        (f"sum_blocks {peers} blocks of {piece}x{width}", lambda: ops.sum_blocks(msg, at, summed), np_sum),
         (f"sigmoid_forward {bsz}x1024", lambda: ops.sigmoid_forward(logits),
          lambda: 1.0 / (1.0 + np.exp(-logits))),
     ]
