@@ -20,7 +20,7 @@ import numpy as np
 from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa
-from ..codegen.bf16 import as_float32, as_uint32, widen
+from ..codegen.bf16 import relu_keep, widen
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16, widen_bf16
 from ..config import choice_token
@@ -405,13 +405,6 @@ def gemm_bf16_into(a, b, c, ta, tb, blocks, *, bias=None, relu=False):
 
 
 # --------------------------------------------------------------------------- ReLU gradient
-
-
-@jit(inline="always")
-def relu_keep(v, y):
-    """v where y > 0, else +0.0 (NaN y included), as bit arithmetic: written as a conditional over
-    bf16 data, LLVM leaves the loop scalar with a branch per element on AVX2 (18x slower there)."""
-    return as_float32(as_uint32(v) & (np.uint32(0) - np.uint32(y > 0)))
 
 
 _GRAD_CHUNKS = 16  # as ops/gemm_kernel.relu_grad: a fixed count, so sums never depend on threads
