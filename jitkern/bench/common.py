@@ -57,11 +57,25 @@ class Timing:
         return f"±{(self.p90 - self.p10) / 2 / self.median * 100:.0f}%" if self.median else ""
 
 
+def cache_evictor(nbytes: int | None = None):
+    """-> a function that streams through twice the last-level cache (at least 64 MB), as a training
+    step's other stages do: whatever it timed next finds its operands in DRAM."""
+    if nbytes is None:
+        from ..codegen import host_target
+        nbytes = max(64 << 20, 2 * host_target().l3)
+    buf = np.ones(nbytes // 4, np.float32)
+
+    def evict():
+        buf.__iadd__(1.0)
+    return evict
+
+
 def do_bench(fn, *, warmup: int = 2, min_reps: int = 5, min_time: float = 0.5,
-             max_reps: int = 200, warmup_time: float = 0.02, clock=time.perf_counter) -> Timing:
+             max_reps: int = 200, warmup_time: float = 0.02, clock=time.perf_counter, before=None) -> Timing:
     """Median and 10/90th percentiles of fn() time on `clock` (wall time by default; the calling
     thread's CPU time, time.thread_time, for work that runs on it alone, is robust to other load);
-    runs at least min_reps and min_time (wall).
+    runs at least min_reps and min_time (wall); before: called untimed ahead of each timed call
+    (e.g. a cache_evictor()).
 
     Warm-up: at least `warmup` calls and `warmup_time` seconds, so that a microsecond op timed
     right after a big copy finds its caches and clocks settled."""
@@ -72,6 +86,8 @@ def do_bench(fn, *, warmup: int = 2, min_reps: int = 5, min_time: float = 0.5,
     times = []
     start = time.perf_counter()
     while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < min_time):
+        if before is not None:
+            before()
         t0 = clock()
         fn()
         times.append(clock() - t0)

@@ -1,5 +1,5 @@
-"""python -m jitkern bench gemm [--threads N] [--tune] [--precision {fp32,bf16}]: linear forward/backward
-on the DLRM MLP shapes.
+"""python -m jitkern bench gemm [--threads N] [--tune] [--precision {fp32,bf16}] [--cold]: linear
+forward/backward on the DLRM MLP shapes.
 
 fp32: against NumPy. Forward baseline: NumPy `np.maximum(x @ w.T + b, 0)`; backward baseline: the
 masked gradient, `g @ w`, `g.T @ x` and `g.sum(0)`. Both run in this process on the same inputs;
@@ -7,6 +7,10 @@ the ratio is NumPy time / jitkern time (> 1: jitkern is faster).
 bf16: jitkern's bf16 layers (BF16Array operands, bf16 y and dx as a bf16 model passes them on, fp32
 dw and db) against its fp32 layers, each stage's GFLOP/s as a share of this core's measured bf16
 dot-product peak (a vdpbf16ps loop; the fp32 FMA peak where bf16 is widened to fp32).
+
+--cold streams twice the last-level cache through before each timed call (jitkern's and NumPy's
+alike), so every operand comes from DRAM, as a layer's input does inside a training step; without
+it, repeated calls find their operands in the caches.
 
 --tune also times, for every GEMM those layers run (forward, dx, and dw or dwt), the blocking
 knob's heuristic against each candidate of the full tuning grid, and prints the heuristic's rate,
@@ -22,7 +26,7 @@ import numpy as np
 
 from ..codegen.tune import best_time
 from ..config import omp_wait_setting
-from .common import blas_description, do_bench, print_table, set_threads
+from .common import blas_description, cache_evictor, do_bench, print_table, set_threads
 
 # (in, out) of the DLRM MLP layers, as in the issue
 SHAPES = ((13, 512), (512, 256), (256, 64), (256, 128), (479, 1024), (1024, 1024), (1024, 512),
@@ -151,7 +155,7 @@ def _bf16_table(args):
                "bf16 fwd": lambda: linear_forward(xb, wb, b, activation="relu", out=yb),
                "f32 bwd": lambda: linear_backward(dy, x, w, y, activation="relu"),
                "bf16 bwd": lambda: linear_backward(dyb, xb, wb, yb, activation="relu", dx_dtype="bfloat16")}
-        t = {name: do_bench(fn, min_time=args.min_time) for name, fn in fns.items()}
+        t = {name: do_bench(fn, min_time=args.min_time, before=args.before) for name, fn in fns.items()}
         flops = 2.0 * n * kin * kout
         gf = {name: (flops if "fwd" in name else 2 * flops) / t[name].median / 1e9 for name in t}
         speedups.append((t["f32 fwd"].median + t["f32 bwd"].median) / (t["bf16 fwd"].median + t["bf16 bwd"].median))
@@ -173,7 +177,10 @@ def main(argv=None) -> int:
                    help="also time each GEMM's blocking heuristic against the full tuning grid")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="fp32: against NumPy (default); bf16: bf16 layers against fp32 ones and the bf16 peak")
+    p.add_argument("--cold", action="store_true",
+                   help="evict the caches before each timed call: operands from DRAM, as inside a training step")
     args = p.parse_args(argv)
+    args.before = cache_evictor() if args.cold else None
     t_start = time.perf_counter()
     import numba
 
@@ -186,12 +193,17 @@ def main(argv=None) -> int:
     # one thread: jitkern and the BLAS both run on this thread, so its CPU time is their time
     clock = time.thread_time if numba.get_num_threads() == 1 else time.perf_counter
     print(f"target {target.key} isa={target.isa} threads={numba.get_num_threads()} "
-          f"{omp_wait_setting()}  {blas_description()}  clock={clock.__name__}")
+          f"{omp_wait_setting()}  {blas_description()}  clock={clock.__name__}"
+          + ("  operands cold (caches evicted before each call)" if args.cold else ""))
     if args.precision == "bf16":
         _bf16_table(args)
         return 0
     rng = np.random.default_rng(0)
     rows, fwd_ratios, bwd_ratios = [], [], []
+
+    def bench(fn):
+        return do_bench(fn, min_time=args.min_time, clock=clock, before=args.before)
+
     t_first = None
     for kin, kout in SHAPES:
         n = args.batch
@@ -206,10 +218,10 @@ def main(argv=None) -> int:
             t_first = time.perf_counter() - t0
         flops = 2.0 * n * kin * kout
         out = np.empty_like(y)
-        tf = do_bench(lambda: linear_forward(x, w, b, activation="relu", out=out), min_time=args.min_time, clock=clock)
-        nf = do_bench(lambda: _numpy_forward(x, w, b), min_time=args.min_time, clock=clock)
-        tb = do_bench(lambda: linear_backward(dy, x, w, y, activation="relu"), min_time=args.min_time, clock=clock)
-        nb = do_bench(lambda: _numpy_backward(dy, x, w, y), min_time=args.min_time, clock=clock)
+        tf = bench(lambda: linear_forward(x, w, b, activation="relu", out=out))
+        nf = bench(lambda: _numpy_forward(x, w, b))
+        tb = bench(lambda: linear_backward(dy, x, w, y, activation="relu"))
+        nb = bench(lambda: _numpy_backward(dy, x, w, y))
         fwd_ratios.append(nf.median / tf.median)
         bwd_ratios.append(nb.median / tb.median)
         rows.append((f"{kin}->{kout}", f"{flops / tf.median / 1e9:.1f} {tf.spread()}",

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import set_num_threads
+from ..bench.common import cache_evictor
 from ..config import sleep_idle_workers
 from ..report import print_table
 from .configs import CONFIGS, ModelConfig, interaction_width
@@ -55,16 +56,6 @@ def _min_time(fn, reps, before=None):
         fn()
         times.append(CLOCK() - t0)
     return float(min(times))
-
-
-def _cache_evictor():
-    """-> a function that streams through twice the last-level cache, as a training step's other
-    stages do between two steps' lookups (a table is not left in the caches by the step before)."""
-    buf = np.ones(16 << 20, np.float32)          # 64 MB
-
-    def evict():
-        buf.__iadd__(1.0)
-    return evict
 
 
 def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> dict:
@@ -117,7 +108,7 @@ def time_piece(rows: int, width: int, nnz: int, bags: int, reps: int = 3) -> flo
         idx = next(batches)
         ops.embedding_bag_forward(w, idx, off, out=pooled)
         ops.embedding_bag_sgd_(w, idx, off, dout, 1e-3)
-    return _min_time(step, reps, _cache_evictor())
+    return _min_time(step, reps, cache_evictor())
 
 
 def _round(x: float, digits: int = 2) -> int:
