@@ -24,7 +24,7 @@ from ..codegen.bf16 import relu_keep, widen
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16, widen_bf16
 from ..config import choice_token
-from .gemm_kernel import thread_buffer
+from .gemm_kernel import prefetch_run, rows_ahead, thread_buffer
 
 
 @jit(inline="always")
@@ -67,12 +67,16 @@ def _pair_pack_b_rows(bp32, bflat, kb, geo, nr):
     columns past n zeroed. geo = (n, k, ps)."""
     n, k, ps = geo
     npan = (n + nr - 1) // nr
+    ahead = rows_ahead(n * 2) * n
     for kp in range(kb * 32, min((k + 1) // 2, kb * 32 + 32)):
         r0, r1 = 2 * kp * n, (2 * kp + 1) * n
         for p in range(npan):
             base = (p * ps >> 1) + kp * nr
             col = p * nr
             width = min(nr, n - col)
+            if r1 + col + ahead < k * n:
+                prefetch_run(bflat, r0 + col + ahead, nr * 2)
+                prefetch_run(bflat, r1 + col + ahead, nr * 2)
             if 2 * kp + 1 < k:
                 for r in range(width):
                     bp32[_u(base + r)] = _pair(bflat[_u(r0 + col + r)], bflat[_u(r1 + col + r)])

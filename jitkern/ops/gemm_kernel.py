@@ -23,6 +23,7 @@ import numpy as np
 from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory, target_isa
+from ..codegen.prefetch import prefetch_l2
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.vec import addr_of, vtranspose16
 from .gemv_kernel import gemv_into
@@ -38,6 +39,24 @@ def _u(i):
 
 
 # --------------------------------------------------------------------------- packing
+
+# The packing loops read their source in memory order and hint the lines this many bytes further
+# on into L2: the hardware prefetchers stop at each 4 KiB page, and inside a training step the
+# source (a layer's input, written by the forward) is usually in DRAM by the time the GEMM reads it
+PACK_AHEAD = 8192
+
+
+@jit(inline="always")
+def rows_ahead(row_bytes):
+    """How many rows of row_bytes bytes a packing loop prefetches ahead (at least one)."""
+    return max(1, (PACK_AHEAD + row_bytes - 1) // row_bytes)
+
+
+@jit(inline="always")
+def prefetch_run(flat, i, nbytes):
+    """Hint the cache lines of the nbytes bytes from flat[i] into L2."""
+    for off in range(0, nbytes, 64):
+        prefetch_l2(flat, i, off)
 
 
 @jit(inline="always")
@@ -68,11 +87,14 @@ def _pack_b_rows(bp, bflat, kb, geo, p_first, nr):
     panels p_first.. (panel p at (p - p_first) * ps); columns past n zeroed. geo = (n, k, ps)."""
     n, k, ps = geo
     npan = (n + nr - 1) // nr
+    ahead = rows_ahead(n * 4) * n
     for kk in range(kb * 64, min(k, kb * 64 + 64)):
         row = kk * n
         for p in range(p_first, npan):
             base = (p - p_first) * ps + kk * nr
             col = row + p * nr
+            if col + ahead < k * n:
+                prefetch_run(bflat, col + ahead, nr * 4)
             if (p + 1) * nr <= n:
                 for r in range(nr):  # constant trip count: a vector copy
                     bp[_u(base + r)] = bflat[_u(col + r)]
@@ -98,8 +120,11 @@ def _pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
     m, k = geo
     nfull = mcb // mr
     if ta and not a_inplace:  # full panels row by row of a: each k reads mcb contiguous floats
+        ahead = rows_ahead(m * 4)
         for kk in range(kcb):
             src = (p0 + kk) * m + i0
+            if p0 + kk + ahead < k:
+                prefetch_run(aflat, src + ahead * m, nfull * mr * 4)
             for ip in range(nfull):
                 d = ip * _a_panel(kcb, mr) + kk * mr
                 s0 = src + ip * mr
