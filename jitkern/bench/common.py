@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..codegen.tune import cache_evictor  # noqa: F401  (the benchmarks' --cold)
 from ..report import print_table  # noqa: F401  (the benchmarks' tables)
 
 
@@ -55,19 +56,6 @@ class Timing:
 
     def spread(self) -> str:
         return f"±{(self.p90 - self.p10) / 2 / self.median * 100:.0f}%" if self.median else ""
-
-
-def cache_evictor(nbytes: int | None = None):
-    """-> a function that streams through twice the last-level cache (at least 64 MB), as a training
-    step's other stages do: whatever it timed next finds its operands in DRAM."""
-    if nbytes is None:
-        from ..codegen import host_target
-        nbytes = max(64 << 20, 2 * host_target().l3)
-    buf = np.ones(nbytes // 4, np.float32)
-
-    def evict():
-        buf.__iadd__(1.0)
-    return evict
 
 
 def do_bench(fn, *, warmup: int = 2, min_reps: int = 5, min_time: float = 0.5,

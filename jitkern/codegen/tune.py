@@ -11,8 +11,23 @@ import fnmatch
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import knobs as K
 from . import tunedb
+from .target import host_target
+
+
+def cache_evictor(nbytes: int | None = None):
+    """-> a function that streams through twice the last-level cache (at least 64 MB), as a training
+    step's other stages do: whatever it timed next finds its operands in DRAM."""
+    if nbytes is None:
+        nbytes = max(64 << 20, 2 * host_target().l3)
+    buf = np.ones(nbytes // 4, np.float32)
+
+    def evict():
+        buf.__iadd__(1.0)
+    return evict
 
 
 def best_time(fn, min_time: float = 0.05, max_reps: int = 1000) -> float:

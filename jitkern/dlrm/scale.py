@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import set_num_threads
-from ..bench.common import cache_evictor
+from ..codegen.tune import cache_evictor
 from ..config import sleep_idle_workers
 from ..report import print_table
 from .configs import CONFIGS, ModelConfig, interaction_width
