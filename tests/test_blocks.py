@@ -70,3 +70,39 @@ def test_blocks_reject_bad_arguments():
         ops.sum_blocks(flat, np.array([7]), np.zeros(2, np.float32))
     with pytest.raises(ValueError, match="must not overlap"):
         ops.gather_blocks(flat, one, one, np.array([1]), flat[:4].reshape(2, 2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 12)), max_size=12), st.booleans(), st.integers(0, 2**31))
+def test_copy_segments_equals_slices_laid_end_to_end(segments, placed, seed):
+    """The row shards' id segments (int64, empty ones included), end to end or at given places."""
+    from jitkern.ops.blocks import copy_segments
+    rng = np.random.default_rng(seed)
+    src = rng.integers(-2**40, 2**40, 50, dtype=np.int64)
+    starts = np.array([min(a, 50 - n) for a, n in segments], np.int64).reshape(-1)
+    lens = np.array([n for _, n in segments], np.int64).reshape(-1)
+    parts = [src[a:a + n] for a, n in zip(starts, lens)]
+    if placed:   # in reverse order, a gap of 2 before each
+        at, o = np.zeros(len(lens), np.int64), 0
+        for i in reversed(range(len(lens))):
+            at[i], o = o + 2, o + 2 + lens[i]
+        out = np.full(o, -1, np.int64)
+        want = out.copy()
+        for a, p in zip(at, parts):
+            want[a:a + len(p)] = p
+        got = copy_segments(src, starts, lens, out, at)
+    else:
+        want = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        got = copy_segments(src, starts, lens, np.empty(len(want), np.int64))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_copy_segments_rejects_what_does_not_fit():
+    from jitkern.ops.blocks import copy_segments
+    src = np.arange(10, dtype=np.int64)
+    with pytest.raises(ValueError, match="segment 1 does not fit"):
+        copy_segments(src, np.array([0, 8]), np.array([2, 3]), np.empty(5, np.int64))
+    with pytest.raises(ValueError, match="segment 0 does not fit"):
+        copy_segments(src, np.array([0]), np.array([3]), np.empty(2, np.int64))
+    with pytest.raises(ValueError, match="one dtype"):
+        copy_segments(src, np.array([0]), np.array([2]), np.empty(2, np.int32))

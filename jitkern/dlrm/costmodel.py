@@ -66,9 +66,8 @@ class Rates:
     lookup_ns: ((width, ns cached, ns from DRAM), ...) per lookup (forward + update); tables up to
     cache_bytes count as cached. call_us: an embedding op call's fixed cost; np_us: a NumPy call's
     on a block (with the view lookup around it); block_us: a block op's (ops.scatter_blocks: all
-    of a table's pieces in one call); part_us: each part of a concatenation; copy_gbs: block
-    copies and sums; bucket_ns,
-    bucket_us: per lookup and per table, sorting a slice's lookups by row shard; fixed_us: per
+    of a table's pieces in one call); copy_gbs: block copies and sums; bucket_ns, bucket_us: per
+    lookup and per table, sorting a slice's lookups by row shard; fixed_us: per
     table and step, what a sharding's code costs beyond the terms above (the Python around the
     calls), by kind, for a rank holding a piece and for one only receiving (scale.py measures it).
     """
@@ -77,7 +76,6 @@ class Rates:
     call_us: float = 6.0
     np_us: float = 1.0
     block_us: float = 5.0
-    part_us: float = 0.3
     copy_gbs: float = 10.0
     bucket_ns: float = 12.0
     bucket_us: float = 30.0
@@ -185,8 +183,8 @@ def add_table(load: Load, table: TableLoad, sharding, batch: int, rates: Rates) 
         work = t + rates.blocks(2 * batch * width * 4, 2 if kind != "table_row" else 1)
         if kind == "table_row":
             work += rates.copy(0, load.nranks)
-        if kind in ("row", "table_row"):
-            work += rates.copy(nnz * share * GRAD_ITEM, 3) + 2 * load.nranks * rates.part_us * 1e-6
+        if kind in ("row", "table_row"):   # the received lookups and lengths: a block op and a take
+            work += rates.copy(nnz * share * GRAD_ITEM, 3) + rates.blocks(0, 1) + rates.copy(0, 1)
         else:
             load.pre[s] += FWD_SHARE * t
         if kind == "table_row":     # the forwarder's sum of the node's partial pools
@@ -227,10 +225,12 @@ def _add_receivers(load: Load, sharding, b: np.ndarray, pooling: float, D: int, 
     elif kind == "column":
         load.comp += rates.copy(2 * b * D * 4, 2 * k)
     else:
+        # bucketing my slice's lookups, their lengths into the send buffer and the rows (a block op)
+        sends = rates.bucket(b * pooling) + rates.copy(0, 2) + rates.blocks(b * pooling * GRAD_ITEM, 1)
         if kind == "row":   # sum k partial pools, send the gradient to k shards: a block op each
-            load.comp += rates.bucket(b * pooling) + rates.blocks(2 * k * b * D * 4, 2) + rates.copy(0, k + 2)
+            load.comp += sends + rates.blocks(2 * k * b * D * 4, 2) + rates.copy(0, 2)
         else:               # table_row: the gradient to one forwarder
-            load.comp += rates.bucket(b * pooling) + rates.copy(b * D * 4, 3)
+            load.comp += sends + rates.copy(b * D * 4, 3)
         load.ids += b * pooling * GRAD_ITEM + k * b * GRAD_ITEM
 
 

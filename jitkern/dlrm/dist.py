@@ -49,8 +49,8 @@ class _DistStep(StepContext):
     updates: list = field(default_factory=list)    # (param, state, grad) waiting for a sharded-update bucket
     alltoall: object = None             # the pooled-pieces exchange in flight
     loss_op: object = None              # the allreduce of the loss parts
-    ids_out: dict = field(default_factory=dict)    # (shard rank, table) -> my slice's rows for it
-    ids_in: dict = field(default_factory=dict)     # (sample owner, table) -> rows its slice looks up
+    ids_out: dict = field(default_factory=dict)    # table -> my slice's lookups bucketed by shard: (rows, ends)
+    ids_in: tuple = None                           # the row shards' lookups received (Layout.ids_stage2)
     row_bags: dict = field(default_factory=dict)   # table -> (offsets, rows) of my row shard's lookups
     replica: dict = field(default_factory=dict)    # table -> (rows, summed gradient) of a replicated table
     loss_parts: np.ndarray = None
@@ -325,8 +325,7 @@ class DistributedDLRM(DLRM, comm_variant=True):
                 s.bucket(ctx)
 
         def rows():
-            send, sc, recv, rc, views = lay.ids_stage2(ctx.ids_out)
-            ctx.ids_in.update(views)
+            send, sc, recv, rc, ctx.ids_in = lay.ids_stage2(ctx.ids_out)
             return send, sc, recv, rc
 
         return self.exchange.ialltoallv("alltoall_ids", lay.ids_send, lay.ids_send_counts, lay.ids_recv,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ops.blocks import copy_segments
 from .placement import batch_slices
 from .sharding import Scratch
 
@@ -72,8 +73,32 @@ class Layout:
         recv = [[(t, (rows[q],)) for t in rowwise if me in plan.tables[t].ranks] for q in range(P)]
         self.ids_send, self.ids_send_counts, self.ids_len_out = _pack(send, np.int64)
         self.ids_recv, self.ids_recv_counts, self.ids_len_in = _pack(recv, np.int64)
-        self.ids_tables_to = [[t for t, _ in p] for p in send]
-        self.ids_tables_from = [[t for t, _ in p] for p in recv]
+        # Stage two moves P x T segments of rows per step; its bookkeeping is index arrays fixed
+        # here, so that a step costs a few NumPy calls however many ranks and tables there are.
+        # Send segment i: my lookups of one table for the shard at position j of its ranks (a slice
+        # of that table's bucketed rows), in the send buffer's order (peer by peer, table by table).
+        self.row_tables = rowwise
+        segs = [(q, t, plan.tables[t].ranks.index(q)) for q in range(P) for t, _ in send[q]]
+        self._send_peer = np.array([q for q, _, _ in segs], np.int64)
+        # per row table: its segments' places in the send order and their shard positions
+        self._send_of = [(np.array([i for i, (_, u, _) in enumerate(segs) if u == t], np.int64),
+                          np.array([j for _, u, j in segs if u == t], np.int64)) for t in rowwise]
+        # where each shard's lengths go in ids_send: (k, b) element indices per row table
+        base = self.ids_send.ctypes.data
+        self._len_out = {t: np.array([(self.ids_len_out[q, t].ctypes.data - base) // 8 for q in plan.tables[t].ranks],
+                                     np.int64)[:, None] + np.arange(self.b) for t in rowwise}
+        # receive segment i: the rows sample owner q sends me for table t, in the receive order
+        rsegs = [(q, t) for q in range(P) for t, _ in recv[q]]
+        base = self.ids_recv.ctypes.data
+        starts = np.array([(self.ids_len_in[q, t].ctypes.data - base) // 8 for q, t in rsegs], np.int64)
+        self._recv_peer = np.array([q for q, _ in rsegs], np.int64)
+        self._recv_len = (starts, starts + np.array([rows[q] for q, _ in rsegs], np.int64))
+        index = {key: i for i, key in enumerate(rsegs)}
+        held = [t for t in rowwise if me in plan.tables[t].ranks]
+        self._recv_of = {t: np.array([index[q, t] for q in range(P)], np.int64) for t in held}
+        # table t's per-bag lengths from every sample owner, in sample order, as ids_recv indices
+        self._len_in = {t: np.concatenate([starts[i] + np.arange(rows[q]) for q, i in enumerate(self._recv_of[t])])
+                        for t in held}
 
     def _node(self, plan, rows) -> None:
         """The in-node sums of table-row-wise tables: my node's ranks and the samples each forwards."""
@@ -146,21 +171,46 @@ class Layout:
             buf = self._replica[t] = np.empty(max(rows * dim, 1), np.float32)
         return buf[:rows * dim].reshape(rows, dim)
 
-    def ids_stage2(self, ids_out: dict):
+    def bucketed_lengths(self, t: int, lengths: np.ndarray) -> None:
+        """Stage one: table t's bucketed per-bag lengths (k, b) (sharding.bucket) into the buffer
+        that sends each shard its row."""
+        self.ids_send[self._len_out[t]] = lengths
+
+    def ids_stage2(self, bucketed: dict):
         """Stage two of the row shards' lookups, once the lengths are in: (send buffer, send counts,
-        receive buffer, receive counts, {(q, t): received rows})."""
+        receive buffer, receive counts, what lookups_of reads). bucketed: {t: (rows, ends)} of every
+        row-sharded table (sharding.bucket: my slice's lookups grouped by shard)."""
         P = self.nranks
-        parts = [[ids_out[s, t] for t in self.ids_tables_to[s]] for s in range(P)]
-        send_counts = np.array([sum(len(a) for a in p) for p in parts], np.int64)
-        send = self.int_scratch("ids_send", int(send_counts.sum()))
-        if len(send):
-            np.concatenate([a for p in parts for a in p], out=send)
-        sizes = [[int(self.ids_len_in[q, t].sum()) for t in self.ids_tables_from[q]] for q in range(P)]
-        recv_counts = np.array([sum(s) for s in sizes], np.int64)
-        recv = self.int_scratch("ids_recv", int(recv_counts.sum()))
-        views, o = {}, 0
-        for q in range(P):
-            for t, n in zip(self.ids_tables_from[q], sizes[q]):
-                views[q, t] = recv[o:o + n]
-                o += n
-        return send, send_counts, recv, recv_counts, views
+        lens = np.empty(len(self._send_peer), np.int64)
+        for t, (places, js) in zip(self.row_tables, self._send_of):
+            ends = bucketed[t][1]
+            lens[places] = ends[js + 1] - ends[js]
+        at = np.zeros(len(lens), np.int64)
+        np.cumsum(lens[:-1], out=at[1:])
+        send = self.int_scratch("ids_send", int(lens.sum()))
+        for t, (places, js) in zip(self.row_tables, self._send_of):
+            rows, ends = bucketed[t]
+            copy_segments(rows, ends[js], lens[places], send, at[places])
+        send_counts = np.bincount(self._send_peer, weights=lens, minlength=P).astype(np.int64)
+        total = np.zeros(len(self.ids_recv) + 1, np.int64)
+        np.cumsum(self.ids_recv, out=total[1:])
+        lo, hi = self._recv_len
+        sizes = total[hi] - total[lo]
+        recv_counts = np.bincount(self._recv_peer, weights=sizes, minlength=P).astype(np.int64)
+        starts = np.zeros(len(sizes), np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        recv = self.int_scratch("ids_recv", int(sizes.sum()))
+        return send, send_counts, recv, recv_counts, (recv, starts, sizes)
+
+    def lookups_of(self, t: int, received, out_rows: np.ndarray, out_lengths: np.ndarray):
+        """(rows, per-bag lengths) of the whole batch's lookups into my shard of table t, in sample
+        order, from stage two's `received`; written into the given buffers (at least as large)."""
+        recv, starts, sizes = received
+        segs = self._recv_of[t]
+        lens = sizes[segs]
+        rows = copy_segments(recv, starts[segs], lens, out_rows[:int(lens.sum())])
+        return rows, np.take(self.ids_recv, self._len_in[t], out=out_lengths[:self.batch])
+
+    def received_rows(self, t: int, received) -> int:
+        """How many lookups of my shard of table t stage two brings."""
+        return int(received[2][self._recv_of[t]].sum())

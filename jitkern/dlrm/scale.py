@@ -139,8 +139,7 @@ class MeasuredRates(Rates):
 
 def calibrate() -> dict:
     """The cost model's small rates on this CPU: an embedding op's, a NumPy block copy's (views
-    looked up as the shardings do) and a block op's fixed cost, a concatenation's per part, block
-    copy bandwidth, bucketing lookups by row shard (per lookup and per call)."""
+    looked up as the shardings do) and a block op's fixed cost, block copy bandwidth, bucketing lookups by row shard (per lookup and per call)."""
     from .. import ops
     from .sharding import Scratch, bucket
 
@@ -152,10 +151,6 @@ def calibrate() -> dict:
     offs, starts = np.arange(4, dtype=np.int64) * 32 * 64, np.arange(4, dtype=np.int64) * 32
     stops = starts + 1         # one row per block: the call's fixed cost
     block_us = _min_time(lambda: [ops.scatter_blocks(src, flat, offs, starts, stops) for _ in range(50)], 5) / 50 * 1e6
-    parts = {(q, 0): np.arange(50, dtype=np.int64) for q in range(64)}
-    cat = np.empty(64 * 50, np.int64)
-    part_us = _min_time(lambda: [np.concatenate([parts[q, 0] for q in range(64)], out=cat) for _ in range(20)],
-                        5) / 20 / 64 * 1e6
     w, one = np.ones((4, 16), np.float32), np.zeros(1, np.int64)
     call_us = _min_time(lambda: [ops.embedding_bag_forward(w, one, one) for _ in range(100)], 5) / 100 * 1e6
     big, dst = np.ones((8192, 512), np.float32), np.empty((8192, 512), np.float32)   # 16 MB: past the L2s
@@ -167,7 +162,7 @@ def calibrate() -> dict:
     big_s = _min_time(lambda: bucket(np.arange(b, dtype=np.int64) * (n // b), idx, bounds, scratch), 5)
     small = np.arange(32, dtype=np.int64)
     bucket_us = _min_time(lambda: [bucket(small, small * 1000, bounds, scratch) for _ in range(20)], 5) / 20 * 1e6
-    return dict(np_us=np_us, block_us=block_us, part_us=part_us, call_us=call_us, copy_gbs=copy_gbs, bucket_us=bucket_us,
+    return dict(np_us=np_us, block_us=block_us, call_us=call_us, copy_gbs=copy_gbs, bucket_us=bucket_us,
                 bucket_ns=max(big_s - bucket_us * 1e-6, 0.0) / n * 1e9)
 
 
@@ -193,7 +188,7 @@ def _one_table_step(kind: str, hold: bool):
     shard.init(np.random.RandomState(0))
     rs = np.random.default_rng(0)
     st = SimpleNamespace(layout=lay, offsets=np.arange(B, dtype=np.int64)[None] * 2, lr=0.01,
-                         indices=[rs.integers(0, R, 2 * B, dtype=np.int64)], ids_out={}, ids_in={}, row_bags={},
+                         indices=[rs.integers(0, R, 2 * B, dtype=np.int64)], ids_out={}, ids_in=None, row_bags={},
                          replica={})
     dly = np.zeros((lay.b, D), np.float32)
 
@@ -203,7 +198,11 @@ def _one_table_step(kind: str, hold: bool):
             for q in range(P):                 # every sample owner sends what mine does
                 if (q, 0) in lay.ids_len_in:
                     lay.ids_len_in[q, 0][...] = lay.ids_len_out[0, 0]
-                    st.ids_in[q, 0] = st.ids_out[0, 0]
+            _, _, _, _, st.ids_in = lay.ids_stage2(st.ids_out)
+            rows, ends = st.ids_out[0]
+            recv, starts, sizes = st.ids_in
+            for a, n in zip(starts.tolist(), sizes.tolist()):
+                recv[a:a + n] = rows[ends[0]:ends[0] + n]
         if shard.held:
             shard.lookup(st)
         if kind == "table_row" and lay.node_owned:

@@ -250,17 +250,14 @@ class RowShard(Shard):
         lay, t = st.layout, self.t
         off, idx = slice_bags(st.offsets[t], st.indices[t], lay.lo, lay.hi)
         lengths, rows, ends = bucket(off, idx, self.spec.bounds, lay.int_scratch, ("rows", t))
-        for j, s in enumerate(self.spec.ranks):
-            lay.ids_len_out[s, t][...] = lengths[j]
-            st.ids_out[s, t] = rows[ends[j]:ends[j + 1]]
+        lay.bucketed_lengths(t, lengths)
+        st.ids_out[t] = (rows, ends)
 
     def lookups(self, st):
         """(offsets (B,), rows) of the whole batch's lookups into my rows, from every rank's slice."""
         lay, t = st.layout, self.t
-        parts = [st.ids_in[q, t] for q in range(lay.nranks)]
-        rows = np.concatenate(parts, out=lay.int_scratch(("bags", t), sum(len(p) for p in parts)))
-        lengths = np.concatenate([lay.ids_len_in[q, t] for q in range(lay.nranks)],
-                                 out=lay.int_scratch("lengths", lay.batch))
+        rows, lengths = lay.lookups_of(t, st.ids_in, lay.int_scratch(("bags", t), lay.received_rows(t, st.ids_in)),
+                                       lay.int_scratch("lengths", lay.batch))
         off = lay.int_scratch(("offsets", t), lay.batch)
         off[:1] = 0
         np.cumsum(lengths[:-1], out=off[1:])

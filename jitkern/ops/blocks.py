@@ -127,3 +127,23 @@ def sum_blocks(src, offsets, out):
         raise ValueError(f"offsets must place every block inside src ({src.size} elements); "
                          f"block {bad} at {int(offsets[bad])} does not fit")
     return out
+
+
+def copy_segments(src, starts, lens, out, at=None):
+    """out[at[i] : at[i] + lens[i]] = src[starts[i] : starts[i] + lens[i]] for each segment i, for
+    1-D arrays of one dtype (the row shards' lookups: int64 rows); at: where they go (default: end
+    to end from 0). One call for any number of segments; checked as the block ops are. Returns out."""
+    starts, lens = _ints("starts", starts), _ints("lens", lens)
+    if src.ndim != 1 or out.ndim != 1 or src.dtype != out.dtype:
+        raise ValueError(f"src and out must be 1-D arrays of one dtype, got {src.dtype}{src.shape} and "
+                         f"{out.dtype}{out.shape}")
+    if at is None:
+        at = np.zeros(len(lens), np.int64)
+        np.cumsum(lens[:-1], out=at[1:])
+    else:
+        at = _ints("at", at)
+    bad = _move(out, src, starts, at, at + lens, (len(out), 1), False) if len(lens) else -1
+    if bad != -1:
+        raise ValueError(f"segment {bad} does not fit: starts, lens and at must place every segment "
+                         f"inside src ({src.size} elements) and out ({out.size})")
+    return out
