@@ -36,6 +36,7 @@ import os
 import numpy as np
 
 from .. import ops
+from ..ops.blocks import bucket_by_shard
 from ..ops.embedding import empty_table
 from .optimizers import TableOptimizer
 
@@ -101,17 +102,11 @@ def bucket(offsets, indices, bounds, scratch=None, name="rows"):
     scratch: a Scratch for the temporaries; the rows land in its buffer `name`.
     """
     scratch = scratch or Scratch()
-    b, n, k, R = len(offsets), len(indices), len(bounds) - 1, bounds[-1]
-    shard, local, key = scratch("shard", n), scratch("local", n), scratch("key", n)
-    np.floor_divide(np.multiply(indices, k, out=shard), R, out=shard)
-    np.add(np.floor_divide(np.multiply(shard, -R, out=local), k, out=local), indices, out=local)
-    np.add(np.multiply(shard, b, out=key), np.repeat(np.arange(b), np.diff(offsets, append=n)), out=key)
-    lengths = np.bincount(key, minlength=k * b).reshape(k, b)
-    small = scratch("shard16", n, np.int16 if k < 1 << 15 else np.int32)
-    np.copyto(small, shard, casting="unsafe")
-    rows = np.take(local, np.argsort(small, kind="stable"), out=scratch(name, n))
-    ends = np.zeros(k + 1, np.int64)
-    np.cumsum(lengths.sum(axis=1), out=ends[1:])
+    b, n, k = len(offsets), len(indices), len(bounds) - 1
+    lengths = scratch("bucket_lengths", k * b).reshape(k, b)
+    rows, ends = scratch(name, n), scratch((name, "ends"), k + 1)
+    bucket_by_shard(offsets, indices, np.asarray(bounds, np.int64), lengths, rows, ends,
+                    scratch("bucket_shard", n, np.int32))
     return lengths, rows, ends
 
 

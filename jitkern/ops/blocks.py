@@ -147,3 +147,44 @@ def copy_segments(src, starts, lens, out, at=None):
         raise ValueError(f"segment {bad} does not fit: starts, lens and at must place every segment "
                          f"inside src ({src.size} elements) and out ({out.size})")
     return out
+
+
+@jit(inline="always")
+def _shard_of(row, bounds, k, scale):
+    """The shard of `row` under even bounds: row * k // R by a float64 product, corrected by one
+    bound either way (a 64-bit division costs several times the rest of a lookup's bucketing)."""
+    j = min(int(row * scale), k - 1)
+    if row >= bounds[j + 1]:
+        j += 1
+    elif row < bounds[j]:
+        j -= 1
+    return j
+
+
+@jit()
+def bucket_by_shard(offsets, indices, bounds, lengths, rows, ends, shard):
+    """A counting sort of one table's lookups by row shard (row-wise sharding's bucketing): shard
+    j holds rows bounds[j]:bounds[j + 1], even bounds (j = row * k // R). offsets (b,) from 0 and
+    indices (n,) int64 (valid rows) -> lengths (k, b): each bag's lookups in each shard; rows (n,):
+    rows minus their shard's first row, grouped by shard, each shard's in position order; ends
+    (k + 1,): where each shard's group ends. shard: (n,) int32 scratch. Two passes over the lookups."""
+    b, n, k = offsets.shape[0], indices.shape[0], bounds.shape[0] - 1
+    scale = k / bounds[k]
+    lengths[:, :] = 0
+    for bag in range(b):
+        stop = offsets[bag + 1] if bag + 1 < b else n
+        for e in range(offsets[bag], stop):
+            j = _shard_of(indices[e], bounds, k, scale)
+            shard[e] = j
+            lengths[j, bag] += 1
+    ends[0] = 0
+    for j in range(k):
+        total = 0
+        for bag in range(b):
+            total += lengths[j, bag]
+        ends[j + 1] = ends[j] + total
+    at = ends[:k].copy()
+    for e in range(n):
+        j = shard[e]
+        rows[at[j]] = indices[e] - bounds[j]
+        at[j] += 1
