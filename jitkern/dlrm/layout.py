@@ -202,15 +202,11 @@ class Layout:
         recv = self.int_scratch("ids_recv", int(sizes.sum()))
         return send, send_counts, recv, recv_counts, (recv, starts, sizes)
 
-    def lookups_of(self, t: int, received, out_rows: np.ndarray, out_lengths: np.ndarray):
+    def lookups_of(self, t: int, received):
         """(rows, per-bag lengths) of the whole batch's lookups into my shard of table t, in sample
-        order, from stage two's `received`; written into the given buffers (at least as large)."""
+        order, from stage two's `received` (in this layout's scratch, until table t's next step)."""
         recv, starts, sizes = received
         segs = self._recv_of[t]
         lens = sizes[segs]
-        rows = copy_segments(recv, starts[segs], lens, out_rows[:int(lens.sum())])
-        return rows, np.take(self.ids_recv, self._len_in[t], out=out_lengths[:self.batch])
-
-    def received_rows(self, t: int, received) -> int:
-        """How many lookups of my shard of table t stage two brings."""
-        return int(received[2][self._recv_of[t]].sum())
+        rows = copy_segments(recv, starts[segs], lens, self.int_scratch(("bags", t), int(lens.sum())))
+        return rows, np.take(self.ids_recv, self._len_in[t], out=self.int_scratch("lengths", self.batch))

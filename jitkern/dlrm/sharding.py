@@ -251,8 +251,7 @@ class RowShard(Shard):
     def lookups(self, st):
         """(offsets (B,), rows) of the whole batch's lookups into my rows, from every rank's slice."""
         lay, t = st.layout, self.t
-        rows, lengths = lay.lookups_of(t, st.ids_in, lay.int_scratch(("bags", t), lay.received_rows(t, st.ids_in)),
-                                       lay.int_scratch("lengths", lay.batch))
+        rows, lengths = lay.lookups_of(t, st.ids_in)
         off = lay.int_scratch(("offsets", t), lay.batch)
         off[:1] = 0
         np.cumsum(lengths[:-1], out=off[1:])
