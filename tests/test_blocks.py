@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from jitkern import ops
 from jitkern.ops import reference as ref
+from jitkern.ops.blocks import bucket_by_shard, copy_segments
 
 
 @st.composite
@@ -74,31 +75,23 @@ def test_blocks_reject_bad_arguments():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 12)), max_size=12), st.booleans(), st.integers(0, 2**31))
-def test_copy_segments_equals_slices_laid_end_to_end(segments, placed, seed):
+def test_copy_segments_equals_the_reference(segments, placed, seed):
     """The row shards' id segments (int64, empty ones included), end to end or at given places."""
-    from jitkern.ops.blocks import copy_segments
     rng = np.random.default_rng(seed)
     src = rng.integers(-2**40, 2**40, 50, dtype=np.int64)
     starts = np.array([min(a, 50 - n) for a, n in segments], np.int64).reshape(-1)
     lens = np.array([n for _, n in segments], np.int64).reshape(-1)
-    parts = [src[a:a + n] for a, n in zip(starts, lens)]
+    at, size = None, int(lens.sum())
     if placed:   # in reverse order, a gap of 2 before each
         at, o = np.zeros(len(lens), np.int64), 0
         for i in reversed(range(len(lens))):
             at[i], o = o + 2, o + 2 + lens[i]
-        out = np.full(o, -1, np.int64)
-        want = out.copy()
-        for a, p in zip(at, parts):
-            want[a:a + len(p)] = p
-        got = copy_segments(src, starts, lens, out, at)
-    else:
-        want = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        got = copy_segments(src, starts, lens, np.empty(len(want), np.int64))
-    np.testing.assert_array_equal(got, want)
+        size = o
+    got = copy_segments(src, starts, lens, np.full(size, -1, np.int64), at)
+    np.testing.assert_array_equal(got, ref.copy_segments(src, starts, lens, np.full(size, -1, np.int64), at))
 
 
 def test_copy_segments_rejects_what_does_not_fit():
-    from jitkern.ops.blocks import copy_segments
     src = np.arange(10, dtype=np.int64)
     with pytest.raises(ValueError, match="segment 1 does not fit"):
         copy_segments(src, np.array([0, 8]), np.array([2, 3]), np.empty(5, np.int64))
@@ -106,3 +99,45 @@ def test_copy_segments_rejects_what_does_not_fit():
         copy_segments(src, np.array([0]), np.array([3]), np.empty(2, np.int64))
     with pytest.raises(ValueError, match="one dtype"):
         copy_segments(src, np.array([0]), np.array([2]), np.empty(2, np.int32))
+
+
+def _bucket(offsets, indices, bounds):
+    k, b, n = len(bounds) - 1, len(offsets), len(indices)
+    outs = (np.empty((k, b), np.int64), np.empty(n, np.int64), np.empty(k + 1, np.int64), np.empty(n, np.int32))
+    return bucket_by_shard(offsets, indices, bounds, *outs)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 70), st.lists(st.integers(0, 6), min_size=1, max_size=40),
+       st.booleans(), st.integers(0, 2**31))
+def test_bucket_by_shard_equals_the_reference(rows, k, sizes, hot, seed):
+    """Every shard count up to 70 (more shards than rows included), empty bags, repeated rows."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array(sizes, np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    n = int(sizes.sum())
+    indices = (rng.integers(0, min(rows, 3), n) if hot else rng.integers(0, rows, n)).astype(np.int64)
+    indices[:1] = rows - 1 if n and seed % 2 else indices[:1]      # the last row
+    bounds = -(-np.arange(k + 1) * rows // k)
+    got = _bucket(offsets, indices, bounds)
+    for g, w in zip(got, ref.bucket_by_shard(offsets, indices, bounds)):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_bucket_by_shard_rejects_bad_arguments():
+    off, idx, bounds = np.array([0, 2], np.int64), np.array([1, 5, 9], np.int64), np.array([0, 5, 10], np.int64)
+    with pytest.raises(ValueError, match=r"indices\[2\] = 10 is out of range for a table of 10 rows"):
+        _bucket(off, np.array([1, 5, 10], np.int64), bounds)
+    with pytest.raises(ValueError, match=r"indices\[0\] = -1"):
+        _bucket(off, np.array([-1, 5, 9], np.int64), bounds)
+    with pytest.raises(ValueError, match=r"offsets must start at 0.*offsets\[0\] = 1"):
+        _bucket(np.array([1, 2], np.int64), idx, bounds)
+    with pytest.raises(ValueError, match=r"offsets\[1\] = 4"):
+        _bucket(np.array([0, 4], np.int64), idx, bounds)
+    with pytest.raises(ValueError, match="even row bounds"):      # row 50: shard 0, two below its estimate
+        _bucket(np.array([0], np.int64), np.array([50], np.int64), np.array([0, 97, 98, 99, 100], np.int64))
+    with pytest.raises(ValueError, match="no bags"):
+        _bucket(np.zeros(0, np.int64), idx, bounds)
+    with pytest.raises(ValueError, match="rows must be a C-contiguous int64 array of shape"):
+        bucket_by_shard(off, idx, bounds, np.empty((2, 2), np.int64), np.empty(2, np.int64), np.empty(3, np.int64),
+                        np.empty(3, np.int32))

@@ -1,5 +1,6 @@
 """python -m jitkern bench ops [--threads N] [--scale F]: the optimizer, cross-layer, sigmoid,
-per-sample-weight and block ops against NumPy doing the same work, in this process on the same inputs.
+per-sample-weight, block and row-shard ops against NumPy doing the same work, in this process on the
+same inputs.
 
 Baselines: the same float32 work written in vectorised NumPy (the cross layer's GEMMs through
 NumPy's BLAS; the embedding update through np.add.at, as ops/reference.py coalesces; the bf16
@@ -98,6 +99,20 @@ def _cases(rng, s):
         np.add(views[0], views[1], out=summed)
         for v in views[2:]:
             np.add(summed, v, out=summed)
+
+    # a row-sharded table's lookups: one slice's bucketed by 64 shards, and a shard's segments
+    # gathered from 64 peers (paper-small at 64 ranks: 32 samples x 100 lookups, 1M rows)
+    from ..ops import blocks, reference
+    nb, per, nrows = max(1, bsz // 64), 100, int(1_000_000 * s) or 64
+    b_off = np.arange(nb, dtype=np.int64) * per
+    b_idx = rng.integers(0, nrows, nb * per)
+    bounds = -(-np.arange(peers + 1) * nrows // peers)
+    b_out = (np.empty((peers, nb), np.int64), np.empty(nb * per, np.int64), np.empty(peers + 1, np.int64),
+             np.empty(nb * per, np.int32))
+    seg_src = rng.integers(0, nrows, peers * 50)
+    seg_at, seg_len = np.arange(peers, dtype=np.int64) * 50, np.full(peers, 50, np.int64)
+    segs = np.empty(peers * 50, np.int64)
+    seg_views = [seg_src[a:a + n] for a, n in zip(seg_at, seg_len)]
     return [
         (f"cross layer fwd+bwd {bsz}x{n} r{r}", jk_cross, lambda: _cross_numpy(x0, xl, v, w, b, dxn)),
         (f"cross layer bf16 fwd+bwd {bsz}x{n} r{r} (vs fp32 NumPy)", lambda: jk_cross(x0h, xlh, vh, wh),
@@ -114,6 +129,11 @@ def _cases(rng, s):
         (f"scatter_blocks {peers} blocks of {piece}x{width}",
          lambda: ops.scatter_blocks(pooled, msg, at, starts, starts + piece), np_scatter),
         (f"sum_blocks {peers} blocks of {piece}x{width}", lambda: ops.sum_blocks(msg, at, summed), np_sum),
+        (f"bucket_by_shard {nb * per:,} lookups, {peers} shards",
+         lambda: blocks.bucket_by_shard(b_off, b_idx, bounds, *b_out),
+         lambda: reference.bucket_by_shard(b_off, b_idx, bounds)),
+        (f"copy_segments {peers} segments of 50 int64", lambda: blocks.copy_segments(seg_src, seg_at, seg_len, segs),
+         lambda: np.concatenate(seg_views, out=segs)),
         (f"sigmoid_forward {bsz}x1024", lambda: ops.sigmoid_forward(logits),
          lambda: 1.0 / (1.0 + np.exp(-logits))),
     ]

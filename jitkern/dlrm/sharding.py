@@ -105,9 +105,8 @@ def bucket(offsets, indices, bounds, scratch=None, name="rows"):
     b, n, k = len(offsets), len(indices), len(bounds) - 1
     lengths = scratch("bucket_lengths", k * b).reshape(k, b)
     rows, ends = scratch(name, n), scratch((name, "ends"), k + 1)
-    bucket_by_shard(offsets, indices, np.asarray(bounds, np.int64), lengths, rows, ends,
-                    scratch("bucket_shard", n, np.int32))
-    return lengths, rows, ends
+    return bucket_by_shard(offsets, indices, np.asarray(bounds, np.int64), lengths, rows, ends,
+                           scratch("bucket_shard", n, np.int32))
 
 
 class Shard:

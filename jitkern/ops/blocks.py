@@ -10,6 +10,11 @@ more than the data moved. Each op here is one call, whatever P:
 
 with n_i = (stop_i - start_i) * w elements, blocks row-major; sum_blocks adds in block order, in
 float32, as repeated np.add does.
+
+The row shards' lookups (dlrm/sharding.py, dlrm/layout.py) use two more, on int64 rows:
+
+    copy_segments(src, starts, lens, out, at)         out[at_i : at_i + l_i] = src[s_i : s_i + l_i]
+    bucket_by_shard(offsets, indices, bounds, ...)    one table's lookups grouped by row shard
 """
 from __future__ import annotations
 
@@ -162,19 +167,26 @@ def _shard_of(row, bounds, k, scale):
 
 
 @jit()
-def bucket_by_shard(offsets, indices, bounds, lengths, rows, ends, shard):
-    """A counting sort of one table's lookups by row shard (row-wise sharding's bucketing): shard
-    j holds rows bounds[j]:bounds[j + 1], even bounds (j = row * k // R). offsets (b,) from 0 and
-    indices (n,) int64 (valid rows) -> lengths (k, b): each bag's lookups in each shard; rows (n,):
-    rows minus their shard's first row, grouped by shard, each shard's in position order; ends
-    (k + 1,): where each shard's group ends. shard: (n,) int32 scratch. Two passes over the lookups."""
+def _bucket(offsets, indices, bounds, lengths, rows, ends, shard):
+    """bucket_by_shard's two passes; -> (0, -1), or (1, e): indices[e] is not a row of the table,
+    (2, bag): offsets[bag] is out of order or past the lookups, (3, e): bounds are not the even
+    ones (indices[e] is not in the shard they give); nothing placed in rows then."""
     b, n, k = offsets.shape[0], indices.shape[0], bounds.shape[0] - 1
-    scale = k / bounds[k]
+    R = bounds[k]
+    scale = k / R if R > 0 else 0.0
+    for bag in range(b):
+        if offsets[bag] < (0 if bag == 0 else offsets[bag - 1]) or offsets[bag] > n or (bag == 0 and offsets[0]):
+            return 2, bag
     lengths[:, :] = 0
     for bag in range(b):
         stop = offsets[bag + 1] if bag + 1 < b else n
         for e in range(offsets[bag], stop):
-            j = _shard_of(indices[e], bounds, k, scale)
+            row = indices[e]
+            if row < 0 or row >= R:
+                return 1, e
+            j = _shard_of(row, bounds, k, scale)
+            if row < bounds[j] or row >= bounds[j + 1]:
+                return 3, e
             shard[e] = j
             lengths[j, bag] += 1
     ends[0] = 0
@@ -188,3 +200,35 @@ def bucket_by_shard(offsets, indices, bounds, lengths, rows, ends, shard):
         j = shard[e]
         rows[at[j]] = indices[e] - bounds[j]
         at[j] += 1
+    return 0, -1
+
+
+def bucket_by_shard(offsets, indices, bounds, lengths, rows, ends, shard):
+    """A counting sort of one table's lookups by row shard (row-wise sharding's bucketing): shard
+    j holds rows bounds[j]:bounds[j + 1], the planner's even bounds ceil(j R / k) (so j = row * k // R).
+    offsets (b,) int64 from 0 and indices (n,) int64 rows of the table -> written: lengths (k, b):
+    each bag's lookups in each shard; rows (n,): rows minus their shard's first row, grouped by shard, each shard's in position
+    order; ends (k + 1,): where each shard's group ends. shard: (n,) int32 scratch. Two passes
+    over the lookups. Returns (lengths, rows, ends)."""
+    offsets, indices, bounds = (_ints(name, a) for name, a in (("offsets", offsets), ("indices", indices),
+                                                                 ("bounds", bounds)))
+    k, b, n = len(bounds) - 1, len(offsets), len(indices)
+    if b == 0 and n:
+        raise ValueError(f"{n} indices but no bags: offsets is empty")
+    if k < 1 or bounds[0] != 0:
+        raise ValueError(f"bounds must start at 0 and name at least one shard, got {bounds.tolist()[:8]}")
+    for name, a, shape, dtype in (("lengths", lengths, (k, b), np.int64), ("rows", rows, (n,), np.int64),
+                                  ("ends", ends, (k + 1,), np.int64), ("shard", shard, (n,), np.int32)):
+        if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be a C-contiguous {np.dtype(dtype).name} array of shape {shape}, got "
+                             f"{getattr(a, 'dtype', type(a))}{getattr(a, 'shape', '')}")
+    code, at = _bucket(offsets, indices, bounds, lengths, rows, ends, shard)
+    if code == 1:
+        raise ValueError(f"indices[{at}] = {int(indices[at])} is out of range for a table of {int(bounds[-1])} rows")
+    if code == 2:
+        raise ValueError(f"offsets must start at 0 and rise to at most len(indices) = {n}; offsets[{at}] = "
+                         f"{int(offsets[at])} does not")
+    if code == 3:
+        raise ValueError(f"bounds must be the even row bounds ceil(j * rows / k) of the planner; row "
+                         f"{int(indices[at])} does not fall in the shard they give")
+    return lengths, rows, ends

@@ -420,3 +420,22 @@ def sum_blocks(src, offsets, out):
     for p in parts[1:]:
         np.add(out, p, out=out)
     return out
+
+
+def copy_segments(src, starts, lens, out, at=None):
+    if at is None:
+        at = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64) if len(lens) else []
+    for s, n, a in zip(starts, lens, at):
+        out[a:a + n] = src[s:s + n]
+    return out
+
+
+def bucket_by_shard(offsets, indices, bounds):
+    """-> (lengths (k, b), rows, ends): a stable sort of the lookups by shard (row * k // R)."""
+    k, b, n, R = len(bounds) - 1, len(offsets), len(indices), bounds[-1]
+    shard = indices * k // R
+    bag = np.repeat(np.arange(b), np.diff(np.append(offsets, n)))
+    lengths = np.bincount(shard * b + bag, minlength=k * b).reshape(k, b)
+    order = np.argsort(shard, kind="stable")
+    rows = (indices - np.asarray(bounds)[shard])[order]
+    return lengths, rows, np.concatenate([[0], np.cumsum(lengths.sum(axis=1))]).astype(np.int64)
