@@ -139,7 +139,8 @@ class MeasuredRates(Rates):
 
 def calibrate() -> dict:
     """The cost model's small rates on this CPU: an embedding op's, a NumPy block copy's (views
-    looked up as the shardings do) and a block op's fixed cost, block copy bandwidth, bucketing lookups by row shard (per lookup and per call)."""
+    looked up as the shardings do) and a block op's fixed cost, block copy bandwidth, bucketing
+    lookups by row shard (per lookup and per call)."""
     from .. import ops
     from .sharding import Scratch, bucket
 
