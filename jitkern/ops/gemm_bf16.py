@@ -18,7 +18,8 @@ from . import _check
 from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
-from .gemm_bf16_kernel import bf16_tile, gemm_bf16_into, grad_buffer, relu_grad_bf16
+from .gemm_bf16_grad import relu_grad_bf16
+from .gemm_bf16_kernel import bf16_tile, gemm_bf16_into, grad_buffer
 from .gemm_kernel import transpose_into, transposed_buffer
 
 VARIANTS = ("gemm", "linear_forward", "linear_dx", "linear_dw", "linear_dwt")

@@ -20,7 +20,6 @@ import numpy as np
 from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa
-from ..codegen.bf16 import relu_keep, widen
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16, widen_bf16
 from ..config import choice_token
@@ -406,46 +405,3 @@ def gemm_bf16_into(a, b, c, ta, tb, blocks, *, bias=None, relu=False):
     _kernel(isa, out_bf16)(a, b, c, _DUMMY_F32 if bias is None else bias, ws, part, (m, n, k), (mc, kc, nc),
                            (bool(ta), bool(tb), bias is not None, bool(relu)))
     return c
-
-
-# --------------------------------------------------------------------------- ReLU gradient
-
-
-_GRAD_CHUNKS = 16  # as ops/gemm_kernel.relu_grad: a fixed count, so sums never depend on threads
-
-
-@jit(parallel=True)
-def relu_grad_bf16(dy, y, g, db, flags):
-    """g = bf16(dy where y > 0 else 0) (or bf16(dy) without relu), db[j] = sum_i of the unrounded
-    masked dy[i, j]; flags = (relu, write_g): g is written if relu or write_g (without either, dy
-    is bf16 already and is the GEMMs' operand).
-
-    dy, y: (n, m) float32 or uint16 bf16 bits; g: (n, m) uint16; db: (m,) float32. Chunks of rows
-    sum in order (float64), then the chunks are added in order, as relu_grad.
-    """
-    relu, write_g = flags
-    n, m = dy.shape
-    dyf, yf, gf = dy.reshape(n * m), y.reshape(y.size), g.reshape(g.size)
-    part = np.zeros((_GRAD_CHUNKS, m), np.float64)
-    for c in prange(_GRAD_CHUNKS):
-        acc = part[c]
-        for i in range(c * n // _GRAD_CHUNKS, (c + 1) * n // _GRAD_CHUNKS):
-            row = i * m
-            if relu:  # a select once vectorised; NaN/inf in dy vanish where the unit was inactive
-                for j in range(m):
-                    v = relu_keep(widen(dyf[_u(row + j)]), widen(yf[_u(row + j)]))
-                    gf[_u(row + j)] = round_bf16(v)
-                    acc[_u(j)] += np.float64(v)
-            elif write_g:
-                for j in range(m):
-                    v = widen(dyf[_u(row + j)])
-                    gf[_u(row + j)] = round_bf16(v)
-                    acc[_u(j)] += np.float64(v)
-            else:
-                for j in range(m):
-                    acc[_u(j)] += np.float64(widen(dyf[_u(row + j)]))
-    for j in range(m):
-        s = 0.0
-        for c in range(_GRAD_CHUNKS):
-            s += part[c, j]
-        db[j] = s
