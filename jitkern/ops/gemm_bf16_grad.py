@@ -10,9 +10,7 @@ from numba import prange
 from ..codegen import jit
 from ..codegen.bf16 import relu_keep, widen
 from ..codegen.simd_bf16 import round_bf16
-from .gemm_kernel import _u
-
-_GRAD_CHUNKS = 16  # as ops/gemm_kernel.relu_grad: a fixed count, so sums never depend on threads
+from .gemm_kernel import _GRAD_CHUNKS, _u, add_chunks
 
 
 @jit(parallel=True)
@@ -45,8 +43,4 @@ def relu_grad_bf16(dy, y, g, db, flags):
             else:
                 for j in range(m):
                     acc[_u(j)] += np.float64(widen(dyf[_u(row + j)]))
-    for j in range(m):
-        s = 0.0
-        for c in range(_GRAD_CHUNKS):
-            s += part[c, j]
-        db[j] = s
+    add_chunks(part, db)

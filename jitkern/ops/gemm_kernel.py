@@ -389,6 +389,17 @@ def _transpose_kernel(src, dst, bias, use_bias, relu):
 _GRAD_CHUNKS = 16  # row chunks of the ReLU-gradient pass: a fixed count, so sums never depend on threads
 
 
+@jit(inline="always")
+def add_chunks(part, db):
+    """db[j] = the chunks' float64 partial sums of column j (part: (_GRAD_CHUNKS, m)), added in chunk
+    order: the gradient passes' db, the same for any thread count."""
+    for j in range(db.shape[0]):
+        s = 0.0
+        for c in range(_GRAD_CHUNKS):
+            s += part[c, j]
+        db[j] = s
+
+
 @jit(parallel=True)
 def relu_grad(dy, y, g, db, relu):
     """g = dy where y > 0 else 0 (if relu; g untouched otherwise), db[j] = sum_i g[i, j].
@@ -412,8 +423,4 @@ def relu_grad(dy, y, g, db, relu):
             else:
                 for j in range(m):
                     acc[_u(j)] += np.float64(dyf[_u(row + j)])
-    for j in range(m):
-        s = 0.0
-        for c in range(_GRAD_CHUNKS):
-            s += part[c, j]
-        db[j] = s
+    add_chunks(part, db)
