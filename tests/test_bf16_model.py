@@ -16,7 +16,8 @@ from jitkern.dlrm.metrics import roc_auc
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.model_state import SplitWeight
 from jitkern.dlrm.synth import SyntheticData
-from jitkern.dlrm.train import TrainOptions, Trainer, load_checkpoint, state_from_meta
+from jitkern.dlrm.checkpoint import load_checkpoint
+from jitkern.dlrm.train import TrainOptions, Trainer, state_from_meta
 from jitkern.ops import BF16Array
 from jitkern.ops import reference as ref
 

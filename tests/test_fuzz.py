@@ -22,7 +22,7 @@ from jitkern.dlrm.dist_checkpoint import ShardedCheckpointError
 from jitkern.dlrm.dist_checkpoint import save_checkpoint as save_sharded
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.synth import SyntheticData
-from jitkern.dlrm.train import CheckpointError, load_checkpoint, model_arch, save_checkpoint
+from jitkern.dlrm.checkpoint import CheckpointError, load_checkpoint, model_arch, save_checkpoint
 
 CHEAP = settings(max_examples=4 * settings.default.max_examples)     # a few ms an example: 4x the profile's
 ARCH = dict(embedding_sizes=[10, 20, 40, 80], embedding_dim=16, bottom_mlp=[13, 32, 16], top_mlp=[16, 1])

@@ -14,7 +14,8 @@ from jitkern.ops import reference as R
 from jitkern.dlrm import DLRM, RandomData
 from jitkern.dlrm.cli import main
 from jitkern.dlrm.tables import QR
-from jitkern.dlrm.train import Trainer, TrainOptions, load_checkpoint, save_checkpoint
+from jitkern.dlrm.checkpoint import load_checkpoint, save_checkpoint
+from jitkern.dlrm.train import Trainer, TrainOptions
 
 DATA = Path(__file__).parent / "data"
 SIZES = [300, 500, 40]

@@ -26,7 +26,8 @@ from jitkern.dlrm.data import main as preprocess_main
 from jitkern.dlrm.data import preprocess
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.synth import SyntheticData
-from jitkern.dlrm.train import TrainOptions, Trainer, load_checkpoint, state_from_meta
+from jitkern.dlrm.checkpoint import load_checkpoint
+from jitkern.dlrm.train import TrainOptions, Trainer, state_from_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "tests" / "data" / "criteo_kaggle_sample.txt"

@@ -166,7 +166,7 @@ def test_scale_plan_only_plans_the_full_mlperf_model_without_allocating_it():
 def test_sharded_checkpoint_of_one_process_and_version_1_manifests(tmp_path):
     from jitkern.dlrm import dist_checkpoint
     from jitkern.dlrm.model import DLRM
-    from jitkern.dlrm.train import model_arch
+    from jitkern.dlrm.checkpoint import model_arch
 
     m = DLRM([30, 70], 8, [3, 8], [4, 1], seed=1)
     dist_checkpoint.save_checkpoint(str(tmp_path / "v2"), m, {"step": 1}, model_arch(m))
@@ -204,7 +204,7 @@ def test_sharded_checkpoint_of_one_process_keeps_the_optimizer_state_and_resumes
     from jitkern.dlrm import dist_checkpoint
     from jitkern.dlrm.model import DLRM
     from jitkern.dlrm.synth import random_batch
-    from jitkern.dlrm.train import model_arch
+    from jitkern.dlrm.checkpoint import model_arch
 
     arch = dict(embedding_sizes=[30, 70], embedding_dim=8, bottom_mlp=[3, 8], top_mlp=[4, 1], interaction="dcn",
                 dcn_layers=1, dcn_rank=4, optimizer=optimizer)

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from jitkern.dlrm.cli import main
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.synth import RandomData, SyntheticData, random_batch
-from jitkern.dlrm.train import (CheckpointError, LRSchedule, TrainOptions, Trainer, load_checkpoint,
-                                save_checkpoint, state_from_meta)
+from jitkern.dlrm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from jitkern.dlrm.train import LRSchedule, TrainOptions, Trainer, state_from_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = [10, 20, 40, 80]

@@ -27,7 +27,8 @@ from .optimizers import describe, make_optimizers
 from .runlog import MLPerfLog, TensorBoardLog, require
 from .sources import build_dataset, build_generated, prefetched
 from .tables import QR, md_solver
-from .train import LRSchedule, TrainOptions, Trainer, arch_dict, load_checkpoint, state_from_meta
+from .checkpoint import arch_dict, load_checkpoint
+from .train import LRSchedule, TrainOptions, Trainer, state_from_meta
 
 
 

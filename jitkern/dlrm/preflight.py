@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .data.raw import iter_chunks, parse_chunk
 from .dist_checkpoint import MANIFEST
-from .train import is_checkpoint_file, read_checkpoint_header
+from .checkpoint import is_checkpoint_file, read_checkpoint_header
 
 # the errors a check raises (and the CLI reports as one line)
 CHECK_ERRORS = (ValueError, IndexError, TypeError, KeyError, NotImplementedError, OSError)

@@ -6,7 +6,7 @@ usage: [mpiexec -n P] python checkpoint.py save DIR [fail]   train 2 steps, save
                                                             it again to FILE: one process writes a
                                                             file); train the same 2 steps, compare
                                                             with after.npz
-PATH: the sharded directory P ranks save, or the file one process saves (train.save_checkpoint).
+PATH: the sharded directory P ranks save, or the file one process saves (checkpoint.save_checkpoint).
 The model trains by Adagrad (element-wise tables): its optimizer state is saved and loaded with it.
 With `fail`, a second save after the 2 more steps dies on rank 1 once its first file is written.
 """
@@ -19,7 +19,7 @@ from jitkern.dlrm import dist_checkpoint
 from jitkern.dlrm.launch import comm_from_env
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.synth import random_batch
-from jitkern.dlrm.train import load_checkpoint, save_checkpoint
+from jitkern.dlrm.checkpoint import load_checkpoint, save_checkpoint
 
 SIZES = [3, 2000, 5000, 1200, 50]
 

@@ -27,7 +27,7 @@ from jitkern.dlrm.launch import comm_from_env, node_groups
 from jitkern.dlrm.model import DLRM
 from jitkern.dlrm.planner import plan_sharding
 from jitkern.dlrm.synth import random_batch
-from jitkern.dlrm.train import model_arch
+from jitkern.dlrm.checkpoint import model_arch
 
 SIZES = [3, 50, 2000, 700, 5000, 64, 1200, 3000]
 DIM = 16
