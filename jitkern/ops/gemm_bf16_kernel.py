@@ -23,7 +23,7 @@ from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, 
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16, widen_bf16
 from ..config import choice_token
-from .gemm_kernel import prefetch_run, rows_ahead, thread_buffer
+from .gemm_kernel import prefetch_c, prefetch_run, rows_ahead, thread_buffer
 
 
 @jit(inline="always")
@@ -223,6 +223,10 @@ def _sweep_dp(code, a_src, b_src, acc, out, scratch, blk, kpass, geo, flags):
             t_acc = (af, ao + (ii - i0) * ald + jj - j0, ald)
             t_out = (of, oo + (ii - i0) * old + jj - j0, old)
             whole = mrem == mr and nrem == nr
+            if whole and last:
+                prefetch_c(of, t_out[1], old, mr, nr * of.itemsize)
+            elif whole:
+                prefetch_c(af, t_acc[1], ald, mr, nr * 4)
             if last and whole:
                 dp_tile(code, kcb, a_op, b_op, t_acc, t_out, (biasp, jj), tflags)
             elif last:
@@ -256,6 +260,7 @@ def _sweep_fma(code, ap, b_src, c_op, scratch, blk, kpass, geo, flags):
             a_op = (ap, ip * kcb * mr, mr, 1)
             off = co + (ii - i0) * ld + jj - j0
             if mrem == mr and nrem == nr:
+                prefetch_c(cf, off, ld, mr, nr * 4)
                 fma_tile(code, kcb, a_op, b_op, (cf, off, ld), (biasp, jj), tflags)
             else:
                 if load:

@@ -23,7 +23,7 @@ import numpy as np
 from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory, target_isa
-from ..codegen.prefetch import prefetch_l2
+from ..codegen.prefetch import prefetch_l2, prefetch_write
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.vec import addr_of, vtranspose16
 from .gemv_kernel import gemv_into
@@ -57,6 +57,15 @@ def prefetch_run(flat, i, nbytes):
     """Hint the cache lines of the nbytes bytes from flat[i] into L2."""
     for off in range(0, nbytes, 64):
         prefetch_l2(flat, i, off)
+
+
+@jit(inline="always")
+def prefetch_c(flat, off, ld, rows, nbytes):
+    """Hint the `rows` rows of nbytes bytes from flat[off] (row stride ld elements) as soon written:
+    a tile's C lines arrive while its K loop runs instead of stalling its stores (or loads)."""
+    for r in range(rows):
+        prefetch_write(flat, off + r * ld, 0)
+        prefetch_write(flat, off + r * ld, nbytes - 1)
 
 
 @jit(inline="always")
@@ -212,6 +221,7 @@ def _sweep_tiles(code, a_src, b_src, cf, tile, biasp, blk, kpass, geo, mode):
             else:
                 a_op = (ap, ip * _a_panel(kcb, mr), mr, 1)
             if mrem == mr and nrem == nr:
+                prefetch_c(cf, ii * n + jj, n, mr, nr * 4)
                 fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags)
             else:
                 _edge_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, tile, mrem, nrem)
