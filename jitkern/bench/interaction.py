@@ -91,18 +91,23 @@ def _fma_loop8(x, n):
     return out[0]
 
 
-def fma_peak_gflops(n=2_000_000, reps=7):
-    """This core's measured float32 FMA throughput (2 flops per lane per FMA), in GFLOP/s, at the
-    target ISA's vector width: the fastest of `reps` runs in the thread's CPU time (a peak, which
-    load can only hide)."""
-    loop, flops = (_fma_loop16, 8 * 16 * 2 * n) if host_target().vector_width >= 16 else (_fma_loop8, 12 * 8 * 2 * n)
-    loop(np.float32(0.5), n)
+def _fastest(loop, x, n, reps):
+    """The fastest of `reps` runs of loop(x, n) after one untimed, in this thread's CPU time: a peak,
+    which load can only hide."""
+    loop(x, n)
     best = float("inf")
     for _ in range(reps):
         t0 = time.thread_time()
-        loop(np.float32(0.5), n)
+        loop(x, n)
         best = min(best, time.thread_time() - t0)
-    return flops / best / 1e9
+    return best
+
+
+def fma_peak_gflops(n=2_000_000, reps=7):
+    """This core's measured float32 FMA throughput (2 flops per lane per FMA), in GFLOP/s, at the
+    target ISA's vector width: the fastest of `reps` runs (_fastest)."""
+    loop, flops = (_fma_loop16, 8 * 16 * 2 * n) if host_target().vector_width >= 16 else (_fma_loop8, 12 * 8 * 2 * n)
+    return flops / _fastest(loop, np.float32(0.5), n, reps) / 1e9
 
 
 @jit()
@@ -111,13 +116,13 @@ def _dp_loop(x, n):
     return dp_peak_loop(n, x)
 
 
-def bf16_peak_gflops(n=2_000_000):
+def bf16_peak_gflops(n=2_000_000, reps=7):
     """This core's measured bf16 dot-product throughput in GFLOP/s (vdpbf16ps: 16 lanes x 2 products,
-    2 flops each), or None where the target has no bf16 dot product."""
+    2 flops each), timed as the FMA peak is (_fastest), or None where the target has no bf16 dot
+    product."""
     if not host_target().has("avx512bf16"):
         return None
-    t = do_bench(lambda: _dp_loop(np.float32(0.5), n), warmup=1, min_reps=5, min_time=0.2)
-    return 12 * 16 * 4 * n / t.median / 1e9
+    return 12 * 16 * 4 * n / _fastest(_dp_loop, np.float32(0.5), n, reps) / 1e9
 
 
 def _best_of(rounds, fns):
