@@ -150,6 +150,21 @@ def test_cost_model_prefers_splitting_hot_tables_over_whole_tables():
         assert "row" in plan.kinds() and steps[1] > gain * steps[0], steps
 
 
+def test_cost_model_without_offload_exposes_every_transfer():
+    # ranks sharing one machine's memory copy every byte themselves inside MPI calls: nothing of
+    # the link time hides behind compute, so the step is the compute plus all of it
+    cfg, P, batch = CONFIGS["kaggle"], 4, 4096
+    dense = dense_estimate(cfg.bottom, [cfg.dim + 351] + list(cfg.top), batch // P)
+    rates = Rates()
+    for kind in ("row", "column", "table"):
+        plan = plan_sharding(cfg.sizes, cfg.dim, cfg.lookups, batch, P, dense=dense, kinds=kind)
+        load = plan_load(plan, cfg.lookups, batch, rates)
+        nic, shm = (estimate(load, plan.kinds(), dense, 4 << 20, Network(1.0, 5.0, offload=o)) for o in (True, False))
+        assert (shm.compute, shm.alltoall, shm.ids, shm.allreduce) == (nic.compute, nic.alltoall, nic.ids, nic.allreduce)
+        assert shm.exposed == pytest.approx(shm.ids + 2 * (shm.alltoall + shm.node) + shm.allreduce)
+        assert shm.allreduce > 0 and shm.step > nic.step, (kind, shm, nic)
+
+
 def test_scale_plan_only_plans_the_full_mlperf_model_without_allocating_it():
     from jitkern.dlrm import scale
     out = io.StringIO()

@@ -168,8 +168,10 @@ def _scaling_rows(name, ranks, runs, link, args, rates) -> list:
     base_step, base_loss = base["step"], base["losses"][0]
     for sh in args.sharding.split(","):
         for mode in ("weak", "strong"):
+            # the ranks share this machine: MPI moves their bytes with their own CPUs (no offload)
             preds = measure_and_predict(CONFIGS[name], ranks, mode, bandwidth_gbs=link[0], latency_us=link[1],
-                                        per_rank_batch=args.batch, kinds=sh, rates=rates, log=lambda *a: None)
+                                        per_rank_batch=args.batch, kinds=sh, rates=rates, offload=False,
+                                        log=lambda *a: None)
             for p, pred in zip(ranks, preds):
                 run = base if p == 1 else runs[(sh, p, args.batch * p if mode == "weak" else args.batch)]
                 step, prof = run["step"], run["profile"]

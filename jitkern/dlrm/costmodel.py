@@ -35,11 +35,15 @@ GRAD_ITEM = 8                # bytes per lookup sent to a row shard (int64 row)
 @dataclass(frozen=True)
 class Network:
     """Links between ranks: bandwidth in GB/s per rank and latency in microseconds per message
-    between nodes; inside a node `node_bandwidth` (0: the same). ranks_per_node: 0 for one node."""
+    between nodes; inside a node `node_bandwidth` (0: the same). ranks_per_node: 0 for one node.
+    offload: the link moves bytes without the ranks' CPUs (an RDMA NIC), so transfers can run
+    behind compute; False for ranks sharing one machine's memory (MPI without a progress
+    thread: each byte is copied by a rank inside an MPI call, so no link time is hidden)."""
     bandwidth: float = 12.5
     latency: float = 2.0
     ranks_per_node: int = 0
     node_bandwidth: float = 0.0
+    offload: bool = True
 
     def __post_init__(self):
         if not self.bandwidth > 0 or self.latency < 0 or self.node_bandwidth < 0 or self.ranks_per_node < 0:
@@ -316,6 +320,8 @@ def estimate(load: Load, kinds, dense: dict, mlp_bytes: int, network: Network, t
             k = network.ranks_per_node if 0 < network.ranks_per_node < P else P
             node = (k - 1) * lat + load.node.max() / nb
         ar = 2 * (P - 1) * lat + 2 * (P - 1) / P * (mlp_bytes + load.allreduce) / bw
+    if not network.offload:             # every transfer is the ranks' own copying: all exposed
+        return StepEstimate(dense_s + emb, a2a, ids, node, ar, ids + 2 * (a2a + node) + ar)
     # forward: the pooled alltoall (and in-node sums) travel behind the bottom MLP. Backward: the
     # reverse exchanges and the allreduce share the link from the top MLP's first gradient on;
     # the exchanges must be in before the table updates, the allreduce before the dense update

@@ -316,11 +316,13 @@ def predictions(cfg: ModelConfig, ranks: int, batch: int, dense: dict, rates: Ra
 
 
 def measure_and_predict(cfg: ModelConfig, ranks_list, mode: str, *, bandwidth_gbs: float, latency_us: float,
-                        per_rank_batch: int = BATCH, reps: int = 5, kinds="auto", rates=None, log=print) -> list:
+                        per_rank_batch: int = BATCH, reps: int = 5, kinds="auto", rates=None, offload=True,
+                        log=print) -> list:
     """Predictions for each P in ranks_list (mode 'weak': per-rank batch fixed, 'strong': global
-    fixed) of the plan made with `kinds` ("auto": the planner; or a kind for every table)."""
+    fixed) of the plan made with `kinds` ("auto": the planner; or a kind for every table);
+    offload: costmodel.Network.offload (False: the ranks share this machine's memory)."""
     rates = rates or measured_rates()
-    network = Network(bandwidth_gbs, latency_us)
+    network = Network(bandwidth_gbs, latency_us, offload=offload)
     dense_at, preds = {}, []
     for p in ranks_list:
         batch = per_rank_batch * p if mode == "weak" else per_rank_batch
