@@ -241,7 +241,7 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
     db = np.empty(m, np.float32)
     g = grad_buffer(n * m).reshape(n, m) if relu and n * m else dy
     if n * m:
-        relu_grad(dy, y if relu else _NO_Y, g, db, relu)
+        relu_grad(dy, y if relu else _NO_Y, g, db, (relu, False))
     else:
         db[:] = 0.0
     if need_dx:

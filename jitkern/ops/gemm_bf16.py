@@ -18,9 +18,8 @@ from . import _check
 from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
-from .gemm_bf16_grad import relu_grad_bf16
 from .gemm_bf16_kernel import bf16_tile, gemm_bf16_into, grad_buffer
-from .gemm_kernel import transpose_into, transposed_buffer
+from .gemm_kernel import relu_grad, transpose_into, transposed_buffer
 
 VARIANTS = ("gemm", "linear_forward", "linear_dx", "linear_dw", "linear_dwt")
 OUT_DTYPES = (None, "float32", "bfloat16")
@@ -206,7 +205,7 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
     write_g = relu or dy.dtype != np.uint16
     g = grad_buffer(n * m).reshape(n, m) if write_g else dy
     if n * m:
-        relu_grad_bf16(dy, y if relu else dy, g, db, (relu, write_g))
+        relu_grad(dy, y if relu else dy, g, db, (relu, write_g))
     else:
         db[:] = 0.0
     dx = None

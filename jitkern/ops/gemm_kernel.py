@@ -25,7 +25,8 @@ from numba import prange
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory, target_isa
 from ..codegen.prefetch import prefetch_l2, prefetch_write
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
-from ..codegen.vec import addr_of, vtranspose16
+from ..codegen.bf16 import relu_keep, widen
+from ..codegen.vec import addr_of, put, vtranspose16
 from .gemv_kernel import gemv_into
 
 log = logging.getLogger("jitkern")
@@ -399,25 +400,18 @@ def _transpose_kernel(src, dst, bias, use_bias, relu):
 _GRAD_CHUNKS = 16  # row chunks of the ReLU-gradient pass: a fixed count, so sums never depend on threads
 
 
-@jit(inline="always")
-def add_chunks(part, db):
-    """db[j] = the chunks' float64 partial sums of column j (part: (_GRAD_CHUNKS, m)), added in chunk
-    order: the gradient passes' db, the same for any thread count."""
-    for j in range(db.shape[0]):
-        s = 0.0
-        for c in range(_GRAD_CHUNKS):
-            s += part[c, j]
-        db[j] = s
-
-
 @jit(parallel=True)
-def relu_grad(dy, y, g, db, relu):
-    """g = dy where y > 0 else 0 (if relu; g untouched otherwise), db[j] = sum_i g[i, j].
+def relu_grad(dy, y, g, db, flags):
+    """g = dy where y > 0 else +0.0 (relu) or g = dy (write_g: a bf16 g from a float32 dy), db[j] =
+    sum_i of the unrounded g[i, j]; flags = (relu, write_g): g is written if either is set (else
+    dy is the GEMMs' operand as it is).
 
     One pass hands both backward GEMMs a plain operand (read in place, no masked packing twice).
-    Each chunk of rows sums its rows in order (float64), then the chunks are added in order.
+    dy, y: (n, m) float32, or uint16 bf16 bits; g: (n, m) float32, or uint16 (rounded to bf16);
+    db: (m,) float32. Each chunk of rows sums its rows in order (float64), then the chunks are
+    added in order, so db never depends on the thread count.
     """
-    # dy, y, g: (n, m) float32; db: (m,) float32
+    relu, write_g = flags
     n, m = dy.shape
     dyf, yf, gf = dy.reshape(n * m), y.reshape(y.size), g.reshape(g.size)
     part = np.zeros((_GRAD_CHUNKS, m), np.float64)
@@ -425,12 +419,21 @@ def relu_grad(dy, y, g, db, relu):
         acc = part[c]
         for i in range(c * n // _GRAD_CHUNKS, (c + 1) * n // _GRAD_CHUNKS):
             row = i * m
-            if relu:  # a select once vectorised; NaN/inf in dy vanish where the unit was inactive
+            if relu:  # bit arithmetic, not a select: vectorised on bf16 data too; NaN/inf in dy vanish
+                for j in range(m):  # where the unit was inactive
+                    v = relu_keep(widen(dyf[_u(row + j)]), widen(yf[_u(row + j)]))
+                    put(gf, _u(row + j), v)
+                    acc[_u(j)] += np.float64(v)
+            elif write_g:
                 for j in range(m):
-                    v = dyf[_u(row + j)] if yf[_u(row + j)] > 0 else np.float32(0.0)
-                    gf[_u(row + j)] = v
+                    v = widen(dyf[_u(row + j)])
+                    put(gf, _u(row + j), v)
                     acc[_u(j)] += np.float64(v)
             else:
                 for j in range(m):
-                    acc[_u(j)] += np.float64(dyf[_u(row + j)])
-    add_chunks(part, db)
+                    acc[_u(j)] += np.float64(widen(dyf[_u(row + j)]))
+    for j in range(m):
+        t = 0.0
+        for c in range(_GRAD_CHUNKS):
+            t += part[c, j]
+        db[j] = t
