@@ -120,7 +120,10 @@ def test_bucket_by_shard_equals_the_reference(rows, k, sizes, hot, seed):
     indices[:1] = rows - 1 if n and seed % 2 else indices[:1]      # the last row
     bounds = -(-np.arange(k + 1) * rows // k)
     got = _bucket(offsets, indices, bounds)
-    for g, w in zip(got, ref.bucket_by_shard(offsets, indices, bounds)):
+    k, b = len(bounds) - 1, len(offsets)
+    want = ref.bucket_by_shard(offsets, indices, bounds, np.empty((k, b), np.int64), np.empty(n, np.int64),
+                               np.empty(k + 1, np.int64), np.empty(n, np.int32))
+    for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
 
 

@@ -207,9 +207,9 @@ def bucket_by_shard(offsets, indices, bounds, lengths, rows, ends, shard):
     """A counting sort of one table's lookups by row shard (row-wise sharding's bucketing): shard
     j holds rows bounds[j]:bounds[j + 1], the planner's even bounds ceil(j R / k) (so j = row * k // R).
     offsets (b,) int64 from 0 and indices (n,) int64 rows of the table -> written: lengths (k, b):
-    each bag's lookups in each shard; rows (n,): rows minus their shard's first row, grouped by shard, each shard's in position
-    order; ends (k + 1,): where each shard's group ends. shard: (n,) int32 scratch. Two passes
-    over the lookups. Returns (lengths, rows, ends)."""
+    each bag's lookups in each shard; rows (n,): rows minus their shard's first row, grouped by
+    shard, each shard's in position order; ends (k + 1,): where each shard's group ends. shard:
+    (n,) int32 scratch. Two passes over the lookups. Returns (lengths, rows, ends)."""
     offsets, indices, bounds = (_ints(name, a) for name, a in (("offsets", offsets), ("indices", indices),
                                                                  ("bounds", bounds)))
     k, b, n = len(bounds) - 1, len(offsets), len(indices)

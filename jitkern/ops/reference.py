@@ -430,12 +430,18 @@ def copy_segments(src, starts, lens, out, at=None):
     return out
 
 
-def bucket_by_shard(offsets, indices, bounds):
-    """-> (lengths (k, b), rows, ends): a stable sort of the lookups by shard (row * k // R)."""
+def bucket_by_shard(offsets, indices, bounds, lengths=None, rows=None, ends=None, shard=None):
+    """-> (lengths (k, b), rows, ends): a stable sort of the lookups by shard (row * k // R), copied
+    into the outputs given (shard: the op's scratch, unused here)."""
     k, b, n, R = len(bounds) - 1, len(offsets), len(indices), bounds[-1]
-    shard = indices * k // R
+    sh = indices * k // R
     bag = np.repeat(np.arange(b), np.diff(np.append(offsets, n)))
-    lengths = np.bincount(shard * b + bag, minlength=k * b).reshape(k, b)
-    order = np.argsort(shard, kind="stable")
-    rows = (indices - np.asarray(bounds)[shard])[order]
-    return lengths, rows, np.concatenate([[0], np.cumsum(lengths.sum(axis=1))]).astype(np.int64)
+    counts = np.bincount(sh * b + bag, minlength=k * b).reshape(k, b)
+    grouped = (indices - np.asarray(bounds)[sh])[np.argsort(sh, kind="stable")]
+    groups = np.concatenate([[0], np.cumsum(counts.sum(axis=1))]).astype(np.int64)
+    result = []
+    for out, got in ((lengths, counts), (rows, grouped), (ends, groups)):
+        if out is not None:
+            np.copyto(out, got)
+        result.append(got if out is None else out)
+    return tuple(result)
