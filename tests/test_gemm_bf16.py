@@ -7,9 +7,7 @@ exact in fp32, so the kernel differs from the float64 reference only by its fp32
 bf16 ulp, 2**-8 relative, each). vdpbf16ps treats denormal inputs and results as zero: that is
 below the bounds' absolute floor.
 """
-import contextlib
 import importlib
-import os
 
 import numba
 import numpy as np
@@ -20,6 +18,7 @@ from hypothesis import strategies as st
 from jitkern.codegen import host_target
 from jitkern.ops import BF16Array, gemm, linear_backward, linear_forward
 from jitkern.ops import reference as ref
+from isa_switch import isa
 
 K = importlib.import_module("jitkern.ops.gemm_bf16_kernel")
 EPS = np.finfo(np.float32).eps
@@ -28,21 +27,6 @@ dims = st.one_of(st.integers(1, 200), st.sampled_from([1, 2, 7, 13, 31, 33, 97, 
 out_dtypes = st.sampled_from([None, "bfloat16"])
 
 ISAS = ["host"] + (["avx2"] if host_target().detected_isa in ("avx2", "avx512") else [])
-
-
-@contextlib.contextmanager
-def isa(name):
-    """Generate code for `name` ("host": the detected ISA) inside the block (JITKERN_ISA is read per call)."""
-    before = os.environ.get("JITKERN_ISA")
-    if name != "host":
-        os.environ["JITKERN_ISA"] = name
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("JITKERN_ISA", None)
-        else:
-            os.environ["JITKERN_ISA"] = before
 
 
 def bf16(rng, *shape):

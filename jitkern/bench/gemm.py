@@ -37,9 +37,9 @@ def _numpy_forward(x, w, b):
     return np.maximum(x @ w.T + b, 0)
 
 
-def _numpy_backward(dy, x, w, y):
+def _numpy_backward(dy, x, w, y, need_dx=True):
     g = np.where(y > 0, dy, 0)
-    return g @ w, g.T @ x, g.sum(axis=0)
+    return g @ w if need_dx else None, g.T @ x, g.sum(axis=0)
 
 
 def _thread_time_of(fn, min_time: float, min_reps: int = 3) -> float:
@@ -168,6 +168,21 @@ def _bf16_table(args):
     print(f"median bf16 speed-up (forward + backward) {statistics.median(speedups):.2f}x")
 
 
+def _print_first_layer(rng, n, bench):
+    """The first layer's backward as a DLRM runs it (no dx; narrow inputs take the fused route)."""
+    kin, kout = SHAPES[0]
+    x = rng.standard_normal((n, kin), dtype=np.float32)
+    w = rng.standard_normal((kout, kin), dtype=np.float32)
+    y = np.maximum(rng.standard_normal((n, kout), dtype=np.float32), 0)
+    dy = rng.standard_normal((n, kout), dtype=np.float32)
+    from ..ops import linear_backward
+    tb = bench(lambda: linear_backward(dy, x, w, y, activation="relu", need_dx=False))
+    nb = bench(lambda: _numpy_backward(dy, x, w, y, need_dx=False))
+    flops = 2.0 * n * kin * kout
+    print(f"first layer {kin}->{kout} backward without dx: {flops / tb.median / 1e9:.1f} GF/s {tb.spread()}, "
+          f"numpy {flops / nb.median / 1e9:.1f}, ratio {nb.median / tb.median:.2f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jitkern bench gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads for jitkern and the BLAS (default: all)")
@@ -230,6 +245,7 @@ def main(argv=None) -> int:
                      f"{bwd_ratios[-1]:.2f}"))
     print_table(("K->M (N=%d)" % args.batch, "fwd GF/s", "numpy", "ratio", "bwd GF/s", "numpy", "ratio"), rows)
     print(f"median ratio  forward {statistics.median(fwd_ratios):.2f}   backward {statistics.median(bwd_ratios):.2f}")
+    _print_first_layer(rng, args.batch, bench)
     print(f"start-up: import {t_import:.2f} s, first forward+backward (compile or disk-cache load) {t_first:.2f} s")
     if args.tune:
         _print_tune(tune_rows(args.batch, numba.get_num_threads()))

@@ -3,7 +3,8 @@
 The public ops check their arguments (ops/_check.py), pick cache blocks (one knob per op
 variant: tuned, or the heuristic from the target's caches) and run the one blocked driver in
 ops/gemm_kernel.py, which fuses the bias + ReLU epilogue into the register tile. Backward: one
-ReLU-gradient pass (mask + bias gradient) feeds both GEMMs a plain operand. Calls with BF16Array
+ReLU-gradient pass (mask + bias gradient) feeds both GEMMs a plain operand; a layer without dx
+on a narrow input (an MLP's first) masks dy into the GEMM's tiles instead (ops/weight_grad.py). Calls with BF16Array
 operands run the bf16 GEMM family (ops/gemm_bf16.py).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, forward_transposed, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
 from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transposed_buffer, transpose_into
+from .weight_grad import masked_grad_fits, masked_weight_grad
 
 
 def tile_shape(isa: str | None = None) -> tuple[int, int, int]:
@@ -239,6 +241,8 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
         y = _check.float_array("y", y, ndim=2, shape=dy.shape)
     dx, dw = _grad_outputs((n, k) if need_dx else None, (m, k), out_dx, out_dw, dy, x, w, y)
     db = np.empty(m, np.float32)
+    if not need_dx and n * m and masked_grad_fits(k, tile_shape()[0]):
+        return None, *masked_weight_grad(dy, x, y if relu else dy, relu, dw, db)
     g = grad_buffer(n * m).reshape(n, m) if relu and n * m else dy
     if n * m:
         relu_grad(dy, y if relu else _NO_Y, g, db, (relu, False))
