@@ -225,6 +225,14 @@ def test_empty_dimensions():
     dx, dw, db = linear_backward(np.ones((0, 3), np.float32), np.ones((0, 2), np.float32),
                                  np.ones((3, 2), np.float32))
     assert dx.shape == (0, 2) and (dw == 0).all() and (db == 0).all()
+    for need_dx in (True, False):  # a layer of no outputs, and one of no inputs
+        dx, dw, db = linear_backward(np.ones((5, 0), np.float32), np.ones((5, 2), np.float32),
+                                     np.ones((0, 2), np.float32), need_dx=need_dx)
+        assert dw.shape == (0, 2) and db.shape == (0,) and (dx is None or (dx.shape == (5, 2) and (dx == 0).all()))
+        dx, dw, db = linear_backward(np.ones((5, 3), np.float32), np.ones((5, 0), np.float32),
+                                     np.ones((3, 0), np.float32), np.ones((5, 3), np.float32), activation="relu",
+                                     need_dx=need_dx)
+        assert dw.shape == (3, 0) and (db == 5).all() and (dx is None or dx.shape == (5, 0))
 
 
 def test_nan_and_inf_propagate():

@@ -14,7 +14,9 @@ def round_to(x: int, m: int) -> int:
 
 
 def _lane_use(m: int, n: int, mr: int, nr: int) -> float:
-    """Fraction of the register tile's lanes an (m, n) C keeps busy."""
+    """Fraction of the register tile's lanes an (m, n) C keeps busy (1 for an empty C: no tiles)."""
+    if m == 0 or n == 0:
+        return 1.0
     return m / (-(-m // mr) * mr) * n / (-(-n // nr) * nr)
 
 
