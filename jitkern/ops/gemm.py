@@ -4,8 +4,8 @@ The public ops check their arguments (ops/_check.py), pick cache blocks (one kno
 variant: tuned, or the heuristic from the target's caches) and run the one blocked driver in
 ops/gemm_kernel.py, which fuses the bias + ReLU epilogue into the register tile. Backward: one
 ReLU-gradient pass (mask + bias gradient) feeds both GEMMs a plain operand; a layer without dx
-on a narrow input (an MLP's first) masks dy into the GEMM's tiles instead (ops/weight_grad.py). Calls with BF16Array
-operands run the bf16 GEMM family (ops/gemm_bf16.py).
+on a narrow input (an MLP's first) masks dy straight into the GEMM tile's panels instead
+(ops/weight_grad.py). Calls with BF16Array operands run the bf16 GEMM family (ops/gemm_bf16.py).
 """
 from __future__ import annotations
 
