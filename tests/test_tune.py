@@ -118,6 +118,31 @@ def test_heuristic_and_thread_shaping(caches):
         assert -(-n // nc) == 1 and -(-m // mc) >= threads
 
 
+@pytest.mark.parametrize("variant,m,n,k", [("linear_forward", 2048, 512, 13), ("linear_forward", 2048, 1024, 100),
+                                           ("linear_dx", 2048, 256, 64), ("linear_dx", 2048, 512, 256),
+                                           ("linear_forward", 2048, 1024, 1024), ("linear_dwt", 13, 512, 2048),
+                                           ("linear_dw", 64, 256, 2048), ("linear_dx", 32, 479, 1024),
+                                           ("linear_dw", 512, 13, 2048)])
+def test_heuristic_strided_streams(caches, variant, m, n, k):
+    """The heuristic keeps strided rows within the prefetchers' reach: a column panel's strip of C
+    rows spans at most kc/2 pages of 4 KiB unless it is one register tile high or the whole of C
+    sits in half of L2; B read in place (or A's columns, for a C of one column panel) gives K
+    passes of at most PAGE_STREAMS pages of rows (or 64); a block is never taller than C."""
+    mr, _, _ = G.tile_shape()
+    h = G.heuristic_blocks(variant, m, n, k)
+    mc, kc = h["mc"], h["kc"]
+    assert mc % mr == 0 and mr <= mc <= G._round_to(m, mr) and kc % 4 == 0
+    rows_per_page = max(1, 4096 // (n * 4))
+    whole_c = mc == G._round_to(m, mr) and m * n * 4 <= caches.l2 // 2
+    if not whole_c and mc > mr:
+        assert -(-mc // rows_per_page) <= max(1, kc // 2)
+    tb = variant.startswith("linear_forward")
+    if G.b_in_place(tb, m, n, mr) and k > 64:
+        assert kc <= max(64, G.PAGE_STREAMS * rows_per_page)
+    if variant in ("linear_dw", "linear_dwt") and n <= G.tile_shape()[1] and k > 64:  # A's columns in place
+        assert kc <= max(64, G.PAGE_STREAMS * max(1, 4096 // (m * 4)))
+
+
 def test_choice_follows_db_and_environment(db, monkeypatch):
     kn = G.BLOCKS["linear_forward"]
     p = (300, 200, 100, 1)

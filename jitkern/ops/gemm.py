@@ -21,7 +21,7 @@ from . import _check, gemm_bf16
 from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, forward_transposed, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
-from .gemm_kernel import gemm_into, grad_buffer, relu_grad, transposed_buffer, transpose_into
+from .gemm_kernel import b_in_place, gemm_into, grad_buffer, relu_grad, transposed_buffer, transpose_into
 from .weight_grad import masked_grad_fits, masked_weight_grad
 
 
@@ -40,24 +40,39 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
 
     kc: a kc x NR B micro-panel of about twice L1 (at most 512): the tile streams it in order,
     so the prefetcher keeps up from L2, and a long K loop amortises the C tile's load and store
-    per pass; kc is then split evenly over K. mc: the mc x kc A block (packed, or rows read in
-    place) in a quarter of L2, which it shares with the B micro-panels and C: it is reused over
-    every column panel of its C block. One block takes all rows where they fit in 3/4 of L2 and
-    all of C in L2 (B's panels then pass through once per K pass, not once per row block), or
-    where A is read transposed in place (a C block of one column panel: linear_dw/dwt with
-    n <= NR): there is no A block to keep, and all of B's one panel streams through once per C
-    block."""
+    per pass. Where B (or, for a C of one column panel, A's columns) is read in place, its kc rows
+    are as many strided streams: kept within PAGE_STREAMS pages. kc is then split evenly over K.
+
+    mc: the mc x kc A block (packed, or rows read in place) in a quarter of L2, which it shares
+    with the B micro-panels and C: it is reused over every column panel of its C block. A sweep
+    over one column panel stores a strip of mc C rows, each a stream the prefetchers must pick up
+    within a tile's K loop: the strip spans at most kc/2 pages, so a short K loop gets a short
+    strip. One block takes all rows where they fit in 3/4 of L2 and all of C in half of L2 (B's
+    panels then pass through once per K pass, not once per row block), or where A is read
+    transposed in place (linear_dw/dwt with n <= NR): there is no A block to keep, and all of B's
+    one panel streams through once per C block."""
     t = host_target()
     mr, nr, _ = tile_for(t.isa)
     kc0 = min(512, max(128, (2 * t.l1d) // (nr * 4) // 16 * 16))
+    one_panel_dw = variant in ("linear_dw", "linear_dwt") and n <= nr  # A's columns read in place
+    if one_panel_dw or b_in_place(variant in ("linear_forward", "linear_forward_t"), m, n, mr):
+        kc0 = min(kc0, max(64, _rows_in_pages(PAGE_STREAMS, (m if one_panel_dw else n) * 4) // 16 * 16))
     passes = max(1, -(-k // kc0))
     kc = _round_to(-(-k // passes), 4)
     whole = _round_to(m, mr)
-    fits = whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2
-    if fits or (variant in ("linear_dw", "linear_dwt") and n <= nr):
+    fits = whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2
+    if fits or one_panel_dw:
         return {"mc": whole, "kc": kc}
-    mc = (t.l2 // 4) // (max(kc, 128) * 4) // mr * mr
-    return {"mc": max(mr, min(mc, 512 // mr * mr, whole)), "kc": kc}
+    mc = min((t.l2 // 4) // (max(kc, 128) * 4), _rows_in_pages(kc // 2, n * 4))
+    return {"mc": max(mr, min(mc // mr * mr, 512 // mr * mr, whole)), "kc": kc}
+
+
+PAGE_STREAMS = 32   # strided rows a tile reads at once: within the prefetchers' reach of 4 KiB pages
+
+
+def _rows_in_pages(pages: int, row_bytes: int) -> int:
+    """How many rows of row_bytes bytes (consecutive in memory) span `pages` 4 KiB pages."""
+    return max(1, pages) * max(1, 4096 // max(row_bytes, 1))
 
 
 def shape_blocks(params: dict, m: int, n: int, k: int, threads: int, isa: str | None = None) -> tuple[int, int, int]:

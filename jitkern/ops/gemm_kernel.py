@@ -70,6 +70,14 @@ def prefetch_c(flat, off, ld, rows, nbytes):
 
 
 @jit(inline="always")
+def b_in_place(tb, m, n, mr):
+    """Whether the driver reads B's full panels in place (row stride n) instead of packing them:
+    B is (k, n) and few row tiles reuse each panel (under 16), unless its row stride is a multiple
+    of 2 KiB (rows fighting over a few L1/L2 sets) and more than two row tiles reuse it."""
+    return not tb and m < 16 * mr and (n % 512 != 0 or m <= 2 * mr)
+
+
+@jit(inline="always")
 def _a_panel(kc, mr):
     """Floats from one packed A panel to the next: one cache line more than kc * mr, so that
     panels packed side by side (whose stride would often be a multiple of 4 KiB) do not all
@@ -249,14 +257,12 @@ def _gemm_factory(spec: KernelSpec):
         mc, kc, nc = blocks
         ta, tb, use_bias, relu = flags
         npan = (n + NR - 1) // NR
-        # Pack B into k-major NR-wide panels (panel p at p * ps) when tb, when B's row stride is
-        # a multiple of 2 KiB (its rows would then fight over a few L1/L2 sets) and more than two
-        # row tiles reuse each panel (for one or two the copy costs more than the conflicts), or
-        # when 16 or more row tiles reuse each panel (packed: one aligned cache line per NR
-        # floats instead of lines split at B's row stride; the copy is then a small share).
-        # Otherwise B's rows are already k-major: full panels are read in place (row stride n)
-        # and only a ragged last panel is packed, zero-padded, into panel 0 of bp.
-        inplace = not tb and m < 16 * MR and (n % 512 != 0 or m <= 2 * MR)
+        # Pack B into k-major NR-wide panels (panel p at p * ps) unless b_in_place: packed, one
+        # aligned cache line per NR floats instead of lines split at B's row stride, and the copy
+        # is a small share once 16 row tiles reuse a panel (for one or two it costs more than
+        # the set conflicts of a 2 KiB-multiple stride). In place, only a ragged last panel is
+        # packed, zero-padded, into panel 0 of bp.
+        inplace = b_in_place(tb, m, n, MR)
         packed = (1 if n % NR else 0) if inplace else npan
         ps = k * NR + 16  # panel stride, one cache line more than needed: panels written side by
         #                   side would otherwise sit 4 KiB-aliased and collide in L1 sets
