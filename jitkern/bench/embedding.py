@@ -89,9 +89,17 @@ def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc
                          each(lambda i, o: _torch_step(torch, tw, i, o, dout))))
         if dist == "uniform" and pooling > 1:
             notes.append(f"{case}: fused SGD bit-identical over 3 runs: {_deterministic(w, idx, off, dout)}")
-        base = {}
+        base, timed = {}, {}
+        for _, impl, _, fn in runs:  # every impl once through the whole pool before any is timed:
+            for _ in pool:           # the first pass pays the rows' first trip from DRAM (and, with a
+                fn()                 # large L3, leaves them there for whoever runs next)
+        for _ in range(ROUNDS):      # interleaved rounds, the best median of each: a load burst hits all alike
+            for op, impl, nbytes, fn in runs:
+                t = do_bench(fn, warmup=2, min_reps=5, min_time=0.3 / ROUNDS)
+                if impl not in timed or t.median < timed[impl].median:
+                    timed[impl] = t
         for op, impl, nbytes, fn in runs:
-            t = do_bench(fn, warmup=2, min_reps=5, min_time=0.3)
+            t = timed[impl]
             base.setdefault(op, {})[impl] = t.median
             rows_out.append([case, op, impl, f"{t.median * 1e3:.3f}", t.spread(), f"{nnz / t.median / 1e6:.1f}",
                              f"{nbytes / t.median / 1e9:.2f}", "", ""])
@@ -103,6 +111,7 @@ def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc
             row[-1] = f"{numpy_t / mine:.1f}x" if row[2].startswith("jitkern") else ""
 
 
+ROUNDS = 2              # interleaved timing rounds per case
 POOL_BYTES = 96 << 20   # table bytes the batches of one timing loop touch in all: beyond the caches
 
 
