@@ -10,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from jitkern.codegen import knobs, tune, tunedb
+from jitkern.codegen import host_target, knobs, tune, tunedb
 from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_forward, embedding_bag_sgd_, reference
 from jitkern.ops.embedding import _knobs, adagrad, forward, sgd
 
@@ -62,8 +62,12 @@ def test_heuristics_are_the_choices_before_knobs():
     def p(dim, itemsize=4, threads=1):
         return (ROWS, dim, POOLING, BATCH, itemsize, threads)
     pf = forward.PREFETCH.heuristic
-    assert pf(p(16)) == pf(p(64)) == pf(p(128, 2)) == {"distance": 32, "hint": "l2"}  # rows up to 256 bytes
-    assert pf(p(128)) == pf(p(37)) == {"distance": 16, "hint": "l2"}  # wider rows; the generic kernel
+    assert pf(p(16)) == pf(p(64)) == pf(p(128, 2)) == {"distance": 32, "hint": "l1"}  # rows up to 256 bytes
+    assert pf(p(128)) == pf(p(37)) == {"distance": 16, "hint": "l1"}  # wider rows; the generic kernel
+    # the hint follows where the rows come from: L1 for a table within the last-level cache, L2 beyond
+    llc_rows = host_target().l3 // (64 * 4)
+    assert pf((llc_rows, 64, POOLING, BATCH, 4, 1))["hint"] == "l1"
+    assert pf((llc_rows + 1, 64, POOLING, BATCH, 4, 1)) == {"distance": 32, "hint": "l2"}
     par = forward.PARALLEL.heuristic
     assert par(p(64, threads=2)) == {"serial_max_work": 1 << 14}
     assert par(p(64))["serial_max_work"] >= 1 << 60  # one thread: always serial

@@ -17,7 +17,7 @@ import functools
 import numpy as np
 from numba import prange
 
-from ...codegen import KernelSpec, get_kernel, jit, kernel_factory, tunedb
+from ...codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, tunedb
 from ...codegen.knobs import knob
 from ...codegen.prefetch import HINTS
 from ...codegen.rowvec import WIDEN_SCHEMES, stack_f32
@@ -137,11 +137,13 @@ def _spec(dim, bf16, serial, prefetch, widen) -> KernelSpec:
 
 def _prefetch_heuristic(problem):
     """Far enough ahead to cover a DRAM miss, near enough that wide rows do not overflow the
-    outstanding-miss buffers; into L2, because an L1 prefetch holds one of the L1's few fill
-    buffers until its line arrives, and those cap the misses in flight."""
-    _, dim, _, _, itemsize, _ = problem
+    outstanding-miss buffers. Into L2 for a table larger than the last-level cache: an L1
+    prefetch holds one of the L1's few fill buffers until its line arrives from DRAM, and those
+    cap the misses in flight. Into L1 for one that fits: its rows come from L3 or nearer, so a
+    fill buffer is held briefly, and the loads then hit L1 instead of waiting on L2."""
+    rows, dim, _, _, itemsize, _ = problem
     distance = prefetch_distance(dim * itemsize) if d_class(dim) else 16  # one generic kernel per dtype
-    return {"distance": distance, "hint": "l2"}
+    return {"distance": distance, "hint": "l1" if rows * dim * itemsize <= host_target().l3 else "l2"}
 
 
 def _prefetch_candidates(problem, quick):
