@@ -30,9 +30,9 @@ def describe() -> list[tuple[str, str]]:
         ("cpu", f"{t.name} ({t.arch})"),
         ("isa", f"{t.isa} (detected {t.detected_isa}), {vw} floats/vector, GEMM tile {mr}x{nr}"),
         ("numba compiles for", target.numba_cpu_name()),
-        ("bf16 dot product", f"yes (avx512bf16): bf16 GEMMs on a vdpbf16ps {bmr}x{bnr} tile, "
-         "2x the fp32 FMA rate" if native else
-         "no: bf16 GEMM operands are widened to fp32 for the fp32 tile (bf16 saves memory and bandwidth "
+        ("bf16 dot product", f"yes (avx512bf16): bf16 GEMMs on a vdpbf16ps {bmr}x{bnr} tile" if native else
+         ("yes (avx512bf16), slower here than the fp32 FMAs (gemm.bf16.dot): " if t.has("avx512bf16") else "no: ")
+         + "bf16 GEMM operands are widened to fp32 for the fp32 tile (bf16 saves memory and bandwidth "
          "here, not FLOPs)"),
         ("caches", f"L1d {t.l1d >> 10} KiB, L2 {t.l2 >> 10} KiB, L3 {t.l3 >> 20} MiB"
          + (" (JITKERN_CACHE_SIZES)" if t.cache_override else "")),

@@ -1,5 +1,6 @@
 """bf16 GEMM family against the references: rounding, GEMM / linear forward / backward on BF16Array
-operands, on the host's path (vdpbf16ps where it has AVX512_BF16) and the widening path (JITKERN_ISA=avx2).
+operands, on the host's paths (vdpbf16ps where it has AVX512_BF16, and the widening path the
+gemm.bf16.dot knob can pick instead) and the widening path of AVX2 (JITKERN_ISA=avx2).
 
 Inputs are bf16 values (kernel and reference see the same ones); products of two bf16 values are
 exact in fp32, so the kernel differs from the float64 reference only by its fp32 accumulation
@@ -8,6 +9,7 @@ bf16 ulp, 2**-8 relative, each). vdpbf16ps treats denormal inputs and results as
 below the bounds' absolute floor.
 """
 import importlib
+import tempfile
 
 import numba
 import numpy as np
@@ -16,9 +18,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jitkern.codegen import host_target
+from jitkern.codegen.knobs import Workload
+from jitkern.codegen.peaks import bf16_peak_gflops, fma_peak_gflops
 from jitkern.ops import BF16Array, gemm, linear_backward, linear_forward
 from jitkern.ops import reference as ref
-from isa_switch import isa
+from isa_switch import bf16_dot, bf16_path
 
 K = importlib.import_module("jitkern.ops.gemm_bf16_kernel")
 EPS = np.finfo(np.float32).eps
@@ -26,7 +30,10 @@ U_BF16 = 2.0 ** -8  # bf16 unit roundoff: half an ulp, relative
 dims = st.one_of(st.integers(1, 200), st.sampled_from([1, 2, 7, 13, 31, 33, 97, 127, 129]))
 out_dtypes = st.sampled_from([None, "bfloat16"])
 
-ISAS = ["host"] + (["avx2"] if host_target().detected_isa in ("avx2", "avx512") else [])
+# the host's ISA with each bf16 tile it can run (the gemm.bf16.dot knob forced), and AVX2's widening
+HOST = ["host-native", "host-widened"] if host_target().has("avx512bf16") else ["host"]
+ISAS = HOST + (["avx2"] if host_target().detected_isa in ("avx2", "avx512") else [])
+TMP = tempfile.mkdtemp(prefix="jitkern-bf16-dot-")
 
 
 def bf16(rng, *shape):
@@ -94,7 +101,7 @@ def test_epilogue_rounds_like_the_reference(path):
     bias = np.concatenate([bias, np.random.default_rng(1).standard_normal(40, dtype=np.float32)])
     x = BF16Array(np.zeros((3, 5), np.uint16))
     w = BF16Array(np.zeros((len(bias), 5), np.uint16))
-    with isa(path):
+    with bf16_path(path, TMP):
         for act in (None, "relu"):
             y = linear_forward(x, w, bias, activation=act, out_dtype="bfloat16")
             want = ref.linear_forward_bf16(x, w, bias, activation=act, out_dtype="bfloat16")
@@ -114,7 +121,7 @@ def test_gemm_matches_reference(path, m, n, k, ta, tb, out_dtype, scaled, seed):
     alpha, beta = (-0.5, 1.5) if scaled else (1.0, 0.0)
     c = rng.standard_normal((m, n), dtype=np.float32)
     out = BF16Array.from_float32(c) if out_dtype else c.copy()
-    with isa(path):
+    with bf16_path(path, TMP):
         got = gemm(a, b, out, trans_a=ta, trans_b=tb, alpha=alpha, beta=beta)
     assert got is out
     want = ref.gemm_bf16(a, b, BF16Array.from_float32(c) if out_dtype else c, trans_a=ta, trans_b=tb,
@@ -133,7 +140,7 @@ def test_linear_forward_matches_reference(path, n, k, m, bias, act, out_dtype, s
     b = None if bias is None else rng.standard_normal(m, dtype=np.float32)
     if bias == "bfloat16":
         b = BF16Array.from_float32(b)
-    with isa(path):
+    with bf16_path(path, TMP):
         got = linear_forward(x, w, b, activation=act, out_dtype=out_dtype)
     want = ref.linear_forward_bf16(x, w, b, activation=act, out_dtype=out_dtype)
     scale = np.abs(values(x)) @ np.abs(values(w)).T + (0 if b is None else np.abs(values(b)))
@@ -159,7 +166,7 @@ def test_linear_backward_matches_reference(path, n, k, m, act, grads, dx_dtype, 
         if need_dx:
             given_dx = (BF16Array(np.full((n, k), 0x7FC0, np.uint16)) if dx_dtype == "bfloat16"
                         else np.full((n, k), np.nan, np.float32))
-    with isa(path):
+    with bf16_path(path, TMP):
         dx, dw, db = linear_backward(dy, x, w, y, activation=act, need_dx=need_dx, dx_dtype=dx_dtype,
                                      out_dx=given_dx, out_dw=given_dw)
     rdx, rdw, rdb = ref.linear_backward_bf16(dy, x, w, y, activation=act, need_dx=need_dx, dx_dtype=dx_dtype)
@@ -187,7 +194,7 @@ def test_driver_blocks_and_passes(path, m, n, k, ta, tb, out_bf16, mc, kc, nc, e
     a, b = bf16(rng, *((k, m) if ta else (m, k))), bf16(rng, *((n, k) if tb else (k, n)))
     bias = rng.standard_normal(n, dtype=np.float32) if epi else None
     c = np.empty((m, n), np.uint16 if out_bf16 else np.float32)
-    with isa(path):
+    with bf16_path(path, TMP):
         _, mr, nr, _ = K.bf16_tile()
         K.gemm_bf16_into(a.bits, b.bits, c, ta, tb, (mc * mr, kc, nc * nr), bias=bias, relu=epi)
     got = BF16Array(c) if out_bf16 else c
@@ -196,6 +203,22 @@ def test_driver_blocks_and_passes(path, m, n, k, ta, tb, out_bf16, mc, kc, nc, e
                                    out_dtype="bfloat16" if out_bf16 else None)
     scale = np.abs(values(x)) @ np.abs(values(w)).T + (np.abs(bias) if epi else 0)
     assert_close(got, want, scale, k)
+
+
+def test_dot_knob_picks_the_tile(tmp_path):
+    """gemm.bf16.dot: the vdpbf16ps tile only where the target has it, either tile where the knob
+    says so, and a heuristic that follows the measured peaks (vdpbf16ps kept unless clearly slower
+    than the fp32 FMAs)."""
+    if not host_target().has("avx512bf16"):
+        assert K.bf16_tile()[0] is False and list(K.DOT.problems(Workload(precisions=("bf16",)))) == []
+        return
+    for native in (True, False):
+        with bf16_dot(native, str(tmp_path)):
+            assert K.bf16_tile()[0] is native
+            assert K.bf16_tile("avx2")[0] is False
+    ratio = bf16_peak_gflops(200_000, 3) / fma_peak_gflops(200_000, 3)
+    if abs(ratio - K.DOT_MARGIN) > 0.15:  # far from the margin: load cannot flip it
+        assert K.DOT.heuristic(K.DOT_PROBLEM) == {"native": ratio >= K.DOT_MARGIN}
 
 
 def test_results_are_deterministic_across_thread_counts():
@@ -223,7 +246,7 @@ def test_nan_and_inf_propagate():
     xf[3, 7], xf[5, 1] = np.nan, np.inf
     x, w, b = BF16Array.from_float32(xf), bf16(rng, 40, 50), rng.standard_normal(40, dtype=np.float32)
     for path in ISAS:
-        with isa(path):
+        with bf16_path(path, TMP):
             y = linear_forward(x, w, b, activation="relu", out_dtype="bfloat16").to_float32()
         want = ref.linear_forward_bf16(x, w, b, activation="relu", out_dtype="bfloat16").to_float32()
         assert np.isnan(y[3]).all()  # relu(NaN) stays NaN, and rounding keeps it NaN

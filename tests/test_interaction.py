@@ -218,8 +218,8 @@ def test_cat_argument_errors():
 
 
 def test_fma_probe_of_the_interaction_bench_runs():
-    # the bench's peak probe uses codegen.vec directly: keep it compiling
-    from jitkern.bench.interaction import _fma_loop8, _fma_loop16
+    # the peak probe (codegen.peaks) uses codegen.vec directly: keep it compiling
+    from jitkern.codegen.peaks import _fma_loop8, _fma_loop16
 
     # chains of m*c+m from c = 0, m = 0.5: each step c -> 0.5 c + 0.5, summed over 8 (16 lanes) or
     # 12 (8 lanes) chains

@@ -274,10 +274,11 @@ class _ThreadTimer(StageTimer):
 
 def _peaks(threads, bf16) -> dict:
     """stage -> this machine's measured FLOP peak for it: the FMA peak, the bf16 dot-product peak
-    for a bf16 model's MLP stages (where the target has one)."""
-    from .interaction import bf16_peak_gflops, fma_peak_gflops
+    for a bf16 model's MLP stages (where its GEMMs run the vdpbf16ps tile)."""
+    from ..codegen.peaks import bf16_peak_gflops, fma_peak_gflops
+    from ..ops.gemm_bf16_kernel import bf16_tile
     fma = max(fma_peak_gflops() for _ in range(3)) * threads
-    dot = [bf16_peak_gflops() for _ in range(3)] if bf16 else [None]
+    dot = [bf16_peak_gflops() for _ in range(3)] if bf16 and bf16_tile()[0] else [None]
     mlp = max(dot) * threads if dot[0] else fma
     return {"fma": fma, "mlp": mlp}
 

@@ -4,8 +4,9 @@ ops.gemm's public ops hand calls with BF16Array operands here. Operands are bf16
 fp32 in registers, outputs are fp32 or bf16 (rounded once from the fp32 accumulator, after the
 fused bias + ReLU epilogue). Backward: one pass masks dy (ReLU), rounds it to bf16 for both GEMMs
 and sums the unrounded masked dy into db; dw and db are fp32 (for the Split-SGD update), dx fp32
-or bf16. The driver is ops/gemm_bf16_kernel.py: vdpbf16ps where the target has AVX512_BF16, bf16
-widened to fp32 for the fp32 tile elsewhere.
+or bf16. The driver is ops/gemm_bf16_kernel.py: vdpbf16ps where the target has AVX512_BF16 and
+the gemm.bf16.dot knob keeps it (not clearly slower than the fp32 FMAs), bf16 widened to fp32 for
+the fp32 tile elsewhere.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ before typing):
   native (AVX512_BF16): B packed into k-pair-interleaved NR-wide panels, A read in place when
     row-major (its pairs are adjacent) or packed k-pair-interleaved; the vdpbf16ps tile
     (codegen.simd_bf16.dp_tile) fuses bias, ReLU and the bf16 rounding of C into its registers.
-  widening (no bf16 dot product): A and B widened to fp32 while packing, the fp32 FMA tile
-    (codegen.simd.fma_tile); a bf16 C is rounded from the fp32 tile right after its last K pass.
+  widening (no bf16 dot product, or one slower than the fp32 FMAs: the gemm.bf16.dot knob): A and
+    B widened to fp32 while packing, the fp32 FMA tile (codegen.simd.fma_tile); a bf16 C is
+    rounded from the fp32 tile right after its last K pass.
 Blocking follows the fp32 driver (ops/gemm_kernel.py): B packed once, each C block one parallel
 task with its K passes in a fixed order, so results are bit-identical run to run and for any
 thread count. A bf16 C keeps its partial sums in an fp32 block per task between K passes.
@@ -19,10 +20,13 @@ import functools
 import numpy as np
 from numba import prange
 
-from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa, tunedb
+from ..codegen.knobs import knob
+from ..codegen.peaks import bf16_peak_gflops, fma_peak_gflops
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16, widen_bf16
 from ..config import choice_token
+from .gemm_blocking import split_for_threads
 from .gemm_kernel import prefetch_c, prefetch_run, rows_ahead, thread_buffer
 
 
@@ -353,31 +357,77 @@ def _gemm_bf16_factory(spec: KernelSpec):
 _TILES: dict = {}
 
 
-def bf16_tile(isa: str | None = None) -> tuple[bool, int, int, int]:
+def bf16_tile(isa: str | None = None, native: bool | None = None) -> tuple[bool, int, int, int]:
     """(native, MR, NR, vector width) of the bf16 GEMM on `isa` (default: the current target's):
-    the vdpbf16ps tile where the target has AVX512_BF16, else the fp32 tile on widened panels.
-    Memoised per configuration: every bf16 GEMM call asks."""
-    key = (isa, choice_token())
+    the vdpbf16ps tile where the target has AVX512_BF16 and the gemm.bf16.dot knob picks it, else
+    the fp32 tile on widened panels; native: force the choice (where the target has the dot
+    product). Memoised per configuration and tuning-DB generation: every bf16 GEMM call asks."""
+    key = (isa, native, choice_token(), tunedb.generation())
     got = _TILES.get(key)
     if got is None:
-        got = _TILES[key] = _bf16_tile(isa)
+        got = _TILES[key] = _bf16_tile(isa, native)
     return got
 
 
-def _bf16_tile(isa):
+def _bf16_tile(isa, native):
     t = host_target()
     isa = isa or t.isa
-    tile = bf16_tile_for(isa, t.has("avx512bf16") and isa == t.isa)
+    has_dot = t.has("avx512bf16") and isa == t.isa
+    if native is None:
+        native = has_dot and DOT.choose(DOT_PROBLEM)["native"]
+    tile = bf16_tile_for(isa, has_dot and native)
     if tile is not None:
         return True, tile[0], tile[1], 16
     return (False, *tile_for(isa))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(isa: str, out_bf16: bool):
-    native, mr, nr, vw = bf16_tile(isa)
+def _kernel(isa: str, out_bf16: bool, tile: tuple):
+    native, mr, nr, vw = tile
     return get_kernel(KernelSpec.make("gemm_bf16", dtype="bfloat16", mr=mr, nr=nr, vw=vw, native=int(native),
                                       out_bf16=int(out_bf16)))
+
+
+# --------------------------------------------------------------------------- the dot-product knob
+
+DOT_PROBLEM = (2048, 512, 512)   # (m, n, k) of the GEMM the tuner times both tiles on
+DOT_MARGIN = 0.75                # the dot product is kept unless its peak is below this share of FMA's
+
+
+@functools.lru_cache(maxsize=None)
+def _dot_pays(key: str) -> bool:
+    """Whether this core's measured vdpbf16ps peak is at least DOT_MARGIN of its fp32 FMA peak
+    (short register-only probes, about a millisecond each, once per target). Zen 4 runs the dot
+    product at twice the FMA rate; an Intel core with two 512-bit FMA ports at half of it, where
+    widened operands feed the fp32 tile faster."""
+    dot = bf16_peak_gflops(200_000, 3)
+    return dot is not None and dot >= DOT_MARGIN * fma_peak_gflops(200_000, 3)
+
+
+def _dot_heuristic(problem):
+    return {"native": _dot_pays(host_target().key)}
+
+
+def _dot_problems(workload):
+    t = host_target()
+    if "bf16" in workload.precisions and t.has("avx512bf16") and target_isa() == t.isa:
+        yield DOT_PROBLEM
+
+
+def _dot_runner(problem, params):
+    m, n, k = problem
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal((m, k), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    b = (rng.standard_normal((n, k), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    c = np.empty((m, n), np.float32)
+    native, mr, nr, _ = bf16_tile(None, params["native"])
+    blocks = split_for_threads(12 * mr, k if native else min(k, 512), m, n, k, 1, (mr, nr))
+    return lambda: gemm_bf16_into(a, b, c, False, True, blocks, native=params["native"])
+
+
+DOT = knob("gemm.bf16.dot", doc="bf16 GEMMs on the vdpbf16ps tile (native) or widened to fp32 for the FMA tile",
+           heuristic=_dot_heuristic, shape_class=lambda p: "all", problems=_dot_problems,
+           candidates=lambda p, quick: [{"native": True}, {"native": False}], runner=_dot_runner)
 
 
 def grad_buffer(size: int) -> np.ndarray:
@@ -389,16 +439,18 @@ def grad_buffer(size: int) -> np.ndarray:
 _DUMMY_F32 = np.zeros(1, np.float32)
 
 
-def gemm_bf16_into(a, b, c, ta, tb, blocks, *, bias=None, relu=False):
+def gemm_bf16_into(a, b, c, ta, tb, blocks, *, bias=None, relu=False, native=None):
     """Run the driver on validated C-contiguous uint16 bf16 bits a, b with blocks = (mc, kc, nc);
-    c: float32, or uint16 for bf16 bits, (m, n), written and returned."""
+    c: float32, or uint16 for bf16 bits, (m, n), written and returned; native: force the tile
+    (bf16_tile)."""
     m, n = c.shape
     if m == 0 or n == 0:
         return c
     k = a.shape[0] if ta else a.shape[1]
     isa = target_isa()
     out_bf16 = c.dtype == np.uint16
-    native, mr, nr, _ = bf16_tile(isa)
+    tile = bf16_tile(isa, native)
+    native, mr, nr, _ = tile
     mc, kc, nc = blocks
     tasks = -(-m // mc) * -(-n // nc)
     kcp = (max(kc, 1) + 1) // 2 * 2
@@ -407,6 +459,6 @@ def gemm_bf16_into(a, b, c, ta, tb, blocks, *, bias=None, relu=False):
     else:
         ws = thread_buffer("ws32", np.float32, -(-n // nr) * (k * nr + 16) + tasks * -(-mc // mr) * mr * kcp)
     part = thread_buffer("part", np.float32, tasks * mc * nc) if out_bf16 else _DUMMY_F32
-    _kernel(isa, out_bf16)(a, b, c, _DUMMY_F32 if bias is None else bias, ws, part, (m, n, k), (mc, kc, nc),
+    _kernel(isa, out_bf16, tile)(a, b, c, _DUMMY_F32 if bias is None else bias, ws, part, (m, n, k), (mc, kc, nc),
                            (bool(ta), bool(tb), bias is not None, bool(relu)))
     return c
