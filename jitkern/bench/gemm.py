@@ -132,7 +132,6 @@ def _bf16_table(args):
 
     from ..codegen.peaks import bf16_peak_gflops, fma_peak_gflops
     from ..ops import BF16Array, linear_backward, linear_forward
-
     from ..ops.gemm_bf16_kernel import bf16_tile
 
     threads = numba.get_num_threads()

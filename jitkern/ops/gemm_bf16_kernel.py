@@ -12,6 +12,7 @@ Blocking follows the fp32 driver (ops/gemm_kernel.py): B packed once, each C blo
 task with its K passes in a fixed order, so results are bit-identical run to run and for any
 thread count. A bf16 C keeps its partial sums in an fp32 block per task between K passes.
 Everything here works in elements of the flat arrays; bf16 values travel as their uint16 bits.
+The packing loops are in ops/gemm_bf16_pack.py; the tile choice (knob gemm.bf16.dot) is here.
 """
 from __future__ import annotations
 
@@ -24,156 +25,11 @@ from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, 
 from ..codegen.knobs import knob
 from ..codegen.peaks import bf16_peak_gflops, fma_peak_gflops
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
-from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16, widen_bf16
+from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16
 from ..config import choice_token
+from .gemm_bf16_pack import pair_pack_a_block, pair_pack_b_columns, pair_pack_b_rows, widen_pack_a_block, widen_pack_b
 from .gemm_blocking import split_for_threads
-from .gemm_kernel import prefetch_c, prefetch_run, rows_ahead, thread_buffer
-
-
-@jit(inline="always")
-def _u(i):
-    """An index as unsigned (no negative-index wraparound selects in copy loops)."""
-    return np.uint64(i)
-
-
-# --------------------------------------------------------------------------- native packing (k pairs)
-
-
-@jit(inline="always")
-def _pair_pack_b_columns(bp, bflat, p, geo, nr):
-    """Panel p of B (n, k) (rows are C columns) k-pair-interleaved at p * ps: element (k, col r) at
-    (k // 2) * 2 nr + 2 r + k % 2; an odd k's partner and columns past n zeroed. geo = (n, k, ps)."""
-    n, k, ps = geo
-    width = min(nr, n - p * nr)
-    base = p * ps
-    for r in range(width):
-        row = (p * nr + r) * k
-        for kk in range(k):
-            bp[_u(base + (kk >> 1) * 2 * nr + 2 * r + (kk & 1))] = bflat[_u(row + kk)]
-        if k & 1:
-            bp[_u(base + (k >> 1) * 2 * nr + 2 * r + 1)] = 0
-    for r in range(width, nr):
-        for kk in range((k + 1) // 2 * 2):
-            bp[_u(base + (kk >> 1) * 2 * nr + 2 * r + (kk & 1))] = 0
-
-
-@jit(inline="always")
-def _pair(lo, hi):
-    """Two bf16 values as one 32-bit word, lo first in memory (the order vdpbf16ps pairs them in)."""
-    return np.uint32(lo) | np.uint32(hi) << np.uint32(16)
-
-
-@jit(inline="always")
-def _pair_pack_b_rows(bp32, bflat, kb, geo, nr):
-    """k pairs 32 kb .. 32 kb + 31 of B (k, n), every panel: rows 2 kp and 2 kp + 1 interleaved
-    column by column, as 32-bit words (bp32: the panels viewed as uint32); a missing odd row and
-    columns past n zeroed. geo = (n, k, ps)."""
-    n, k, ps = geo
-    npan = (n + nr - 1) // nr
-    ahead = rows_ahead(n * 2) * n
-    for kp in range(kb * 32, min((k + 1) // 2, kb * 32 + 32)):
-        r0, r1 = 2 * kp * n, (2 * kp + 1) * n
-        for p in range(npan):
-            base = (p * ps >> 1) + kp * nr
-            col = p * nr
-            width = min(nr, n - col)
-            if r1 + col + ahead < k * n:
-                prefetch_run(bflat, r0 + col + ahead, nr * 2)
-                prefetch_run(bflat, r1 + col + ahead, nr * 2)
-            if 2 * kp + 1 < k:
-                for r in range(width):
-                    bp32[_u(base + r)] = _pair(bflat[_u(r0 + col + r)], bflat[_u(r1 + col + r)])
-            else:
-                for r in range(width):
-                    bp32[_u(base + r)] = np.uint32(bflat[_u(r0 + col + r)])
-            for r in range(width, nr):
-                bp32[_u(base + r)] = 0
-
-
-@jit(inline="always")
-def _pair_pack_a_block(ap, aflat, blk, kpass, geo, ta, mr):
-    """A[i0:i0+mcb, p0:p0+kcb] into ap as mr-row panels of k pairs (panel ip at ip * kcp * mr,
-    element (r, k) at (k // 2) * 2 mr + 2 r + k % 2, kcp = kcb rounded up to even); rows past mcb
-    zeroed. A plain A (not ta) is read in place except a ragged last panel. blk = (i0, mcb, j0, ncb),
-    kpass = (p0, kcb), geo = (m, k): A is (m, k), or (k, m) if ta."""
-    i0, mcb, _, _ = blk
-    p0, kcb = kpass
-    m, k = geo
-    kcp = (kcb + 1) // 2 * 2
-    for ip in range((mcb + mr - 1) // mr):
-        dst = ip * kcp * mr
-        rows = min(mr, mcb - ip * mr)
-        ibase = i0 + ip * mr
-        if not ta and rows == mr:
-            continue  # read in place by the tile
-        if ta:  # each k pair reads `rows` contiguous values from two rows of a
-            ap32 = ap.view(np.uint32)
-            for kp in range(kcb >> 1):
-                src = (p0 + 2 * kp) * m + ibase
-                d = (dst >> 1) + kp * mr
-                for r in range(rows):
-                    ap32[_u(d + r)] = _pair(aflat[_u(src + r)], aflat[_u(src + m + r)])
-            if kcb & 1:
-                src = (p0 + kcb - 1) * m + ibase
-                for r in range(rows):
-                    ap[_u(dst + (kcb >> 1) * 2 * mr + 2 * r)] = aflat[_u(src + r)]
-        else:
-            for r in range(rows):
-                src = (ibase + r) * k + p0
-                for kk in range(kcb):
-                    ap[_u(dst + (kk >> 1) * 2 * mr + 2 * r + (kk & 1))] = aflat[_u(src + kk)]
-        for r in range(rows, mr):
-            for kk in range(kcp):
-                ap[_u(dst + (kk >> 1) * 2 * mr + 2 * r + (kk & 1))] = 0
-
-
-# --------------------------------------------------------------------------- widening packing (fp32 panels)
-
-
-@jit(inline="always")
-def _widen_pack_b(bp, bflat, p, geo, tb, nr):
-    """Panel p of B widened to fp32, k-major nr wide at p * ps (the fp32 tile's layout); columns
-    past n zeroed. B is (n, k) if tb, else (k, n). geo = (n, k, ps)."""
-    n, k, ps = geo
-    width = min(nr, n - p * nr)
-    base = p * ps
-    if tb:
-        for r in range(width):
-            for kk in range(k):
-                bp[_u(base + kk * nr + r)] = widen_bf16(bflat[_u((p * nr + r) * k + kk)])
-    else:
-        for kk in range(k):
-            for r in range(width):
-                bp[_u(base + kk * nr + r)] = widen_bf16(bflat[_u(kk * n + p * nr + r)])
-    for kk in range(k):
-        for r in range(width, nr):
-            bp[_u(base + kk * nr + r)] = 0.0
-
-
-@jit(inline="always")
-def _widen_pack_a_block(ap, aflat, blk, kpass, geo, ta, mr):
-    """A[i0:i0+mcb, p0:p0+kcb] widened into ap as mr-row k-major panels (panel ip at ip * kcb * mr);
-    rows past mcb zeroed. Arguments as _pair_pack_a_block's."""
-    i0, mcb, _, _ = blk
-    p0, kcb = kpass
-    m, k = geo
-    for ip in range((mcb + mr - 1) // mr):
-        dst = ip * kcb * mr
-        rows = min(mr, mcb - ip * mr)
-        ibase = i0 + ip * mr
-        if ta:
-            for kk in range(kcb):
-                src = (p0 + kk) * m + ibase
-                for r in range(rows):
-                    ap[_u(dst + kk * mr + r)] = widen_bf16(aflat[_u(src + r)])
-        else:
-            for r in range(rows):
-                src = (ibase + r) * k + p0
-                for kk in range(kcb):
-                    ap[_u(dst + kk * mr + r)] = widen_bf16(aflat[_u(src + kk)])
-        for r in range(rows, mr):
-            for kk in range(kcb):
-                ap[_u(dst + kk * mr + r)] = 0.0
+from .gemm_kernel import _u, prefetch_c, thread_buffer
 
 
 # --------------------------------------------------------------------------- tiles
@@ -313,13 +169,13 @@ def _gemm_bf16_factory(spec: KernelSpec):
         if NATIVE and not tb:
             bp32 = bp.view(np.uint32)
             for kb in prange(((k + 1) // 2 + 31) // 32):
-                _pair_pack_b_rows(bp32, bflat, kb, (n, k, ps), NR)
+                pair_pack_b_rows(bp32, bflat, kb, (n, k, ps), NR)
         elif NATIVE:
             for p in prange(npan):
-                _pair_pack_b_columns(bp, bflat, p, (n, k, ps), NR)
+                pair_pack_b_columns(bp, bflat, p, (n, k, ps), NR)
         else:
             for p in prange(npan):
-                _widen_pack_b(bp, bflat, p, (n, k, ps), tb, NR)
+                widen_pack_b(bp, bflat, p, (n, k, ps), tb, NR)
         biasp = np.zeros(npan * NR, np.float32)
         if use_bias:
             biasp[:n] = bias
@@ -340,11 +196,11 @@ def _gemm_bf16_factory(spec: KernelSpec):
                 kpass = (pi * kc, min(kc, k - pi * kc))
                 fl = (pi > 0, pi == npc - 1, use_bias, relu, not ta)
                 if NATIVE:
-                    _pair_pack_a_block(ap, aflat, blk, kpass, (m, k), ta, MR)
+                    pair_pack_a_block(ap, aflat, blk, kpass, (m, k), ta, MR)
                     _sweep_dp(CODE, (aflat, ap), (bp, biasp), acc, (cf, i0 * n + j0, n), scratch, blk, kpass,
                               (k, ps), fl)
                 else:
-                    _widen_pack_a_block(ap, aflat, blk, kpass, (m, k), ta, MR)
+                    widen_pack_a_block(ap, aflat, blk, kpass, (m, k), ta, MR)
                     _sweep_fma(CODE, ap, (bp, biasp), acc, scratch[0], blk, kpass, (k, ps), fl)
             if OUT_BF16 and not NATIVE:
                 _round_block(cf, acc[0], blk, n, nc)
