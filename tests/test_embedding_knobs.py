@@ -12,7 +12,9 @@ import pytest
 
 from jitkern.codegen import host_target, knobs, tune, tunedb
 from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_forward, embedding_bag_sgd_, reference
+from jitkern.config import CACHE_PRESETS
 from jitkern.ops.embedding import _knobs, adagrad, forward, sgd
+from jitkern.ops.embedding._rows import prefetch_distance
 
 ROWS, DIM, POOLING, BATCH = 5000, 64, 4, 256
 WORKLOAD = knobs.Workload(tables=((ROWS, DIM, POOLING, BATCH, 4),))
@@ -58,16 +60,32 @@ def _run_ops(w, idx, off, dout, psw, bf16=False):
             state.view(np.uint32)]
 
 
+@pytest.mark.parametrize("caches", [None, *sorted(CACHE_PRESETS)], ids=lambda c: c or "host")
+def test_forward_prefetch_follows_the_cache_model(caches, monkeypatch):
+    if caches:
+        monkeypatch.setenv("JITKERN_CACHE_SIZES", caches)
+    else:
+        monkeypatch.delenv("JITKERN_CACHE_SIZES", raising=False)
+    l2 = host_target().l2
+    pf = forward.PREFETCH.heuristic
+    near = min(max(l2 // (32 << 10), 16), 64)  # rows ahead, in proportion to L2: Zen 4's 1 MiB gives 32
+    assert prefetch_distance(256) == near and prefetch_distance(512) == max(near // 2, 16)
+    # rows up to 256 bytes get `near`, wider rows half of it (16 at least); the generic kernel 16
+    assert pf((10**6, 16, POOLING, BATCH, 4, 1)) == pf((10**6, 128, POOLING, BATCH, 2, 1)) == {"distance": near,
+                                                                                             "hint": "l2"}
+    assert pf((10**6, 128, POOLING, BATCH, 4, 1))["distance"] == max(near // 2, 16)
+    assert pf((10**6, 37, POOLING, BATCH, 4, 1))["distance"] == 16
+    # the hint follows where the rows come from: L1 for a table within L2, L2 beyond
+    l2_rows = l2 // (64 * 4)
+    assert pf((l2_rows, 64, POOLING, BATCH, 4, 1))["hint"] == "l1"
+    assert pf((l2_rows + 1, 64, POOLING, BATCH, 4, 1))["hint"] == "l2"
+    if caches == "zen4":  # the choices measured there before the rule scaled them
+        assert prefetch_distance(256, l2) == 32 and prefetch_distance(512, l2) == 16
+
+
 def test_heuristics_are_the_choices_before_knobs():
     def p(dim, itemsize=4, threads=1):
         return (ROWS, dim, POOLING, BATCH, itemsize, threads)
-    pf = forward.PREFETCH.heuristic
-    assert pf(p(16)) == pf(p(64)) == pf(p(128, 2)) == {"distance": 32, "hint": "l1"}  # rows up to 256 bytes
-    assert pf(p(128)) == pf(p(37)) == {"distance": 16, "hint": "l1"}  # wider rows; the generic kernel
-    # the hint follows where the rows come from: L1 for a table within the last-level cache, L2 beyond
-    llc_rows = host_target().l3 // (64 * 4)
-    assert pf((llc_rows, 64, POOLING, BATCH, 4, 1))["hint"] == "l1"
-    assert pf((llc_rows + 1, 64, POOLING, BATCH, 4, 1)) == {"distance": 32, "hint": "l2"}
     par = forward.PARALLEL.heuristic
     assert par(p(64, threads=2)) == {"serial_max_work": 1 << 14}
     assert par(p(64))["serial_max_work"] >= 1 << 60  # one thread: always serial
@@ -164,3 +182,24 @@ def test_tuner_stores_embedding_entries(db):
         assert stored[r.knob][cls] == r.best
         assert r.best_s is None or r.best_s <= r.heuristic_s
     assert tune.tune(WORKLOAD, quick=True, select="embedding.*", only_missing=True, min_time=0, out=None) == []
+
+
+def test_runners_share_one_batch_pool_and_position():
+    """Runners of one problem draw from one pool beyond the last-level cache and take turns through
+    it: a candidate never times the rows the one before it just brought into the caches."""
+    problem = (ROWS, DIM, POOLING, BATCH, 4, 1)
+    pool, dout = _knobs.draw_batches(problem)
+    again, _ = _knobs.draw_batches(problem)
+    assert again is pool and dout.shape == (BATCH, DIM)
+    nnz = POOLING * BATCH
+    assert len(pool) == min(1024, -(-_knobs.pool_bytes() // (nnz * DIM * 4)))
+    assert _knobs.pool_bytes() >= 2 * host_target().l3
+    assert all(b[0].shape == (nnz,) and 0 <= b[0].min() and b[0].max() < ROWS for b in pool[:4])
+    seen = []
+    calls = [lambda k=k: seen.append(k) for k in range(len(pool))]
+    first, second = _knobs.cycle(calls, pool), _knobs.cycle(calls, pool)
+    first(), second(), first()
+    assert seen == [0, 1, 2]
+    alone = _knobs.cycle(calls)
+    alone()
+    assert seen == [0, 1, 2, 0]  # without a pool: its own position

@@ -391,8 +391,8 @@ def test_prefetch_knob_declaration_and_tuned_entry(tmp_path, monkeypatch):
     assert list(k.problems(work)) == [(1000, 16, 8), (1000, 16, 4)]
     assert k.shape_class((1000, 16, 8)) == "8bit1024x32" and k.shape_class((1000, 16, 4)) == "4bit1024x16"
     assert {"pf": 32} in k.candidates((1000, 16, 8), True)
-    k.runner((1000, 37, 4), {"pf": 32})()  # the generic kernel the property tests compiled
     problem = (1000, 37, 4)
-    assert Q._prefetch_for(*problem, tunedb.generation()) == 32
+    k.runner(problem, k.heuristic(problem))()  # the generic kernel the property tests compiled
+    assert Q._prefetch_for(*problem, tunedb.generation()) == prefetch_distance(Q.row_bytes(37, 4))
     tunedb.store(k.name, k.shape_class(problem), {"pf": 8})
     assert Q._prefetch_for(*problem, tunedb.generation()) == 8

@@ -219,3 +219,25 @@ def test_bf16_gemm_blocks_are_tuned_for_bf16_layers_only():
     work = CONFIGS["tiny"].workload(64, precision="bf16")
     assert work.precisions == ("bf16",) and list(bf16.problems(work)) and not list(fp32.problems(work))
     assert work.merged(knobs.Workload()).precisions == ("bf16", "fp32")
+
+
+def test_candidates_are_timed_in_interleaved_rounds(monkeypatch):
+    """Each candidate is timed once per round, rounds interleaved, and keeps its median round: a
+    candidate lucky in one round (c) loses to one unlucky in one round (b)."""
+    clock, log = [0.0], []
+    monkeypatch.setattr(tune.time, "perf_counter", lambda: clock[0])
+    costs = {"a": [5, 3, 3, 3], "b": [5, 9, 1, 1], "c": [5, 0.5, 4, 4]}  # warm-up, then one call per round
+
+    def runner(problem, params):
+        name, calls = params["x"], [0]
+
+        def run():
+            log.append(name)
+            clock[0] += costs[name][calls[0]]
+            calls[0] += 1
+        return run
+    k = knobs.Knob("test.rounds", lambda p: {"x": "a"}, lambda p: "all", lambda w: [()],
+                   lambda p, quick: [{"x": x} for x in "abc"], runner, None, "", None)
+    r = tune.tune_problem(k, (), quick=True, min_time=0.0)
+    assert tune.ROUNDS == 3 and log == ["a", "a", "b", "b", "c", "c"] + ["a", "b", "c"] * 2
+    assert r.best == {"x": "b"} and (r.heuristic_s, r.best_s, r.best_other_s) == (3, 1, 1)

@@ -5,8 +5,8 @@ sees it through torch.from_numpy): by default as jitkern and its DLRM allocate t
 (ops.empty_table: 64-byte aligned like torch's own tensors, on huge pages where the OS offers
 them), with --alloc numpy as np.full does (16-byte aligned, 4 KiB pages). Each timing loop
 takes the next of several pre-drawn batches per call, as training does (together they touch
-~96 MiB of rows: from memory, not from a cache the previous call warmed; --same-batch repeats
-one). Then for each index draw (uniform pooling 1 and 20, Zipf-skewed pooling 20) the forward
+twice the last-level cache in rows, 96 MiB at least: from memory, not from a cache the previous
+call warmed; --same-batch repeats one). Then for each index draw (uniform pooling 1 and 20, Zipf-skewed pooling 20) the forward
 and the update are timed against NumPy and, when importable, torch.
 Rows/s count looked-up (forward) or updated (SGD) index entries; GB/s counts the table bytes those
 rows move (read for forward, read + write for updates), next to this machine's copy bandwidth.
@@ -19,6 +19,7 @@ import argparse
 import numpy as np
 
 from .. import ops
+from ..codegen.target import host_target
 from ..ops import SplitBF16Table
 from .common import copy_bandwidth_gbs, do_bench, print_table, set_threads, torch_or_none
 
@@ -54,7 +55,7 @@ def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc
     split = SplitBF16Table.from_float32(w) if dim == 128 else None
     tw = torch.from_numpy(w) if torch else None
     for pooling, dist in dists:
-        n = 1 if same_batch else _pool_size(batch * pooling * dim * 4)
+        n = 1 if same_batch else _pool_size(batch * pooling * dim * 4, batch * pooling)
         pool = [draw_batch(rng, num_rows, batch, pooling, dist) for _ in range(n)]
         idx, off = pool[0]
         nnz = len(idx)
@@ -112,13 +113,16 @@ def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc
 
 
 ROUNDS = 2              # interleaved timing rounds per case
-POOL_BYTES = 96 << 20   # table bytes the batches of one timing loop touch in all: beyond the caches
+POOL_BYTES = 96 << 20   # table bytes the batches of one timing loop touch in all at least
+INDEX_BYTES = 256 << 20  # index memory a pool may hold (it caps the pools of narrow rows)
 
 
-def _pool_size(batch_bytes: int) -> int:
+def _pool_size(batch_bytes: int, nnz: int) -> int:
     """How many batches each timing loop cycles through: training sees a new batch every step, so
-    rows should come from memory, not from a cache the previous call warmed."""
-    return int(min(256, max(4, -(-POOL_BYTES // batch_bytes))))
+    rows should come from memory, not from a cache the previous call warmed. Their rows cover
+    twice the last-level cache, whose size the host reports (a large one holds a small pool)."""
+    want = max(POOL_BYTES, 2 * host_target().l3)
+    return int(min(max(1, INDEX_BYTES // (16 * nnz)), max(4, -(-want // batch_bytes))))
 
 
 def _cycle(fns):
@@ -240,7 +244,7 @@ def _quantized_case(args, torch, rng, qt, pooling, table):
     r, d = qt.shape
     nbytes = args.batch * pooling * qt.data.shape[1]
     pool = [draw_batch(rng, r, args.batch, pooling, "uniform")
-            for _ in range(1 if args.same_batch else _pool_size(nbytes))]
+            for _ in range(1 if args.same_batch else _pool_size(nbytes, args.batch * pooling))]
     out = np.empty((args.batch, d), np.float32)
     runs = [("jitkern", _cycle([(lambda i, o: lambda: ops.embedding_bag_quantized_forward(qt, i, o, out=out))(i, o)
                                 for i, o in pool]))]

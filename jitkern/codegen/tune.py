@@ -30,15 +30,18 @@ def cache_evictor(nbytes: int | None = None):
     return evict
 
 
-def best_time(fn, min_time: float = 0.05, max_reps: int = 1000) -> float:
-    """The fastest of repeated calls (after one warm-up call): robust against other load."""
-    fn()
+def best_time(fn, min_time: float = 0.05, max_reps: int = 1000, *, min_reps: int = 3, warm: bool = True) -> float:
+    """The fastest of at least min_reps repeated calls (after one warm-up call unless `warm` is
+    False): robust against other load."""
+    if warm:
+        fn()
     best, t0 = float("inf"), time.perf_counter()
     for rep in range(max_reps):
         t1 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t1)
-        if rep >= 2 and t1 - t0 >= min_time:
+        t2 = time.perf_counter()
+        best = min(best, t2 - t1)
+        if rep + 1 >= min_reps and t2 - t0 >= min_time:
             break
     return best
 
@@ -67,26 +70,27 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def tune_problem(knob: K.Knob, problem, *, quick: bool, min_time: float) -> Result:
-    """Time (or search) one problem's choices; the best is returned, not stored."""
+    """Time (or search) one problem's choices; the best is returned, not stored.
+
+    Candidates are timed in ROUNDS interleaved rounds and each keeps its median round: timed one
+    after another, a memory-bound candidate's time says as much about the neighbours' load at that
+    moment as about itself."""
     heur = dict(knob.heuristic(problem))
     cls = knob.shape_class(problem)
     if knob.search is not None:
         best = dict(knob.search(problem, quick, lambda fn: best_time(fn, min_time)))
         return Result(knob.name, cls, problem, heur, None, best, None, None)
-    runners = [knob.runner(problem, heur)]  # kept until the last candidate: they may share inputs
-    h_s = best_time(runners[0], min_time)
-    best, best_s, other_s = heur, h_s, None
-    for cand in knob.candidates(problem, quick):
-        if _same(cand, heur):
-            continue
-        runners.append(knob.runner(problem, cand))
-        t = best_time(runners[-1], min_time)
-        other_s = t if other_s is None else min(other_s, t)
-        if t < best_s:
-            best, best_s = dict(cand), t
-    return Result(knob.name, cls, problem, heur, h_s, best, best_s, other_s)
+    cands = [heur] + [dict(c) for c in knob.candidates(problem, quick) if not _same(c, heur)]
+    runners = [knob.runner(problem, c) for c in cands]  # all kept to the end: they may share inputs
+    # one warm-up call and one timed call per round at least: as many calls as one timing of 3
+    rounds = [[best_time(run, min_time / ROUNDS, min_reps=1, warm=not r) for run in runners] for r in range(ROUNDS)]
+    times = [float(np.median(col)) for col in zip(*rounds)]
+    k = int(np.argmin(times))
+    other_s = min(times[1:]) if len(times) > 1 else None
+    return Result(knob.name, cls, problem, heur, times[0], cands[k], times[k], other_s)
 
 
+ROUNDS = 3                                   # interleaved rounds each candidate is timed in
 QUICK_MIN_TIME, FULL_MIN_TIME = 0.02, 0.05   # seconds each choice is timed for (at least 3 calls)
 
 

@@ -21,8 +21,8 @@ from ._rows import NO_PSW, empty_table
 from .split_bf16 import SplitBF16Table
 
 NEVER = 1 << 62           # a work threshold no call reaches
-_BATCH_BYTES = 64 << 20   # row bytes a runner's batches touch together: beyond the caches, as in training
-_MAX_BATCHES = 64
+_INDEX_BYTES = 128 << 20  # index memory a batch pool may hold (it caps the pool of narrow rows)
+_MAX_BATCHES = 1024       # and batches (each a few Python objects, and a partial per runner)
 
 
 def problems(workload, itemsizes=(4, 2)):
@@ -77,28 +77,53 @@ def make_table(problem):
     return table
 
 
+def pool_bytes() -> int:
+    """Row bytes a batch pool touches in all: twice the last-level cache (64 MiB at least), so
+    that rows come from memory when a batch comes round again, as in training."""
+    return max(64 << 20, 2 * host_target().l3)
+
+
+class Batches(list):
+    """A pool of batches shared by every runner of a problem, with one shared position: candidates
+    timed in turn take the next batches, never the rows the previous candidate just cached."""
+    __slots__ = ("at", "dout", "__weakref__")
+
+
+_POOLS = weakref.WeakValueDictionary()  # (rows, dim, pooling, itemsize, nbags, seed) -> Batches
+
+
 def draw_batches(problem, nbags=None, seed=0):
     """Batches of nbags (default: the problem's batch) bags of `pooling` uniform rows, as many as
-    touch ~64 MiB of rows together (so a table beyond the caches is read from memory), and a
-    dout (nbags, dim) float32: ([bags], dout), bags as the kernels take them."""
+    touch pool_bytes() of rows together (so a table beyond the caches is read from memory), and a
+    dout (nbags, dim) float32: (Batches of bags as the kernels take them, dout). Shared while a
+    runner holds it (see Batches)."""
     rows, dim, pooling, batch, itemsize, _ = problem
     nbags = batch if nbags is None else nbags
-    nnz = nbags * pooling
-    count = int(min(_MAX_BATCHES, max(1, -(-_BATCH_BYTES // max(nnz * dim * itemsize, 1)))))
-    rng = np.random.default_rng(seed)
-    offsets = np.arange(nbags, dtype=np.int64) * pooling
-    bags = [(rng.integers(0, rows, nnz), offsets, NO_PSW, False, False) for _ in range(count)]
-    return bags, rng.standard_normal((nbags, dim)).astype(np.float32)
+    key = (rows, dim, pooling, itemsize, nbags, seed)
+    pool = _POOLS.get(key)
+    if pool is None:
+        nnz = nbags * pooling
+        most = max(1, min(_MAX_BATCHES, _INDEX_BYTES // max(nnz * 8, 1)))
+        count = int(min(most, max(1, -(-pool_bytes() // max(nnz * dim * itemsize, 1)))))
+        rng = np.random.default_rng(seed)
+        offsets = np.arange(nbags, dtype=np.int64) * pooling
+        flat = rng.integers(0, rows, count * nnz)  # one draw: per-batch calls cost more than the numbers
+        pool = _POOLS[key] = Batches((flat[k * nnz:(k + 1) * nnz], offsets, NO_PSW, False, False)
+                                     for k in range(count))
+        pool.at, pool.dout = [0], rng.standard_normal((nbags, dim)).astype(np.float32)
+    return pool, pool.dout
 
 
-def cycle(calls):
-    """A callable that makes the next of `calls` each time (a new batch per call, as in training)."""
-    state = [0]
+def cycle(calls, batches=None):
+    """A callable that makes the next of `calls` each time (a new batch per call, as in training);
+    with `batches` (the Batches the calls were made from) the position is the pool's, shared."""
+    state = [0] if batches is None else batches.at
 
     def call():
         k = state[0]
         state[0] = k + 1 if k + 1 < len(calls) else 0
         return calls[k]()
+    call.batches = batches  # keeps a shared pool alive as long as its runners
     return call
 
 

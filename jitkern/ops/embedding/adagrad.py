@@ -262,7 +262,7 @@ def _timed(problem, prefetch, parallel):
     path = _update_path(nnz, rows, threads, 0.0, parallel["min_nnz"])  # uniform batches: no repeats
     kernels = _all_kernels(dim, prefetch["distance"])
     call = cycle([functools.partial(_run, kernels, path, bags, len(bags[1]), dout, _LR, _EPS, target, threads,
-                                    int(prefetch["link"])) for bags in batches])
+                                    int(prefetch["link"])) for bags in batches], batches)
     return call if path == "hashed" else on_threads(threads, call)
 
 
@@ -286,7 +286,7 @@ def _parallel_search(problem, quick, timer):
         batches, dout = draw_batches(problem, nbags)
         path = "hashed-parallel" if parallel else "hashed"
         return cycle([functools.partial(_run, kernels, path, bags, nbags, dout, _LR, _EPS, target, threads,
-                                        int(prefetch["link"])) for bags in batches])
+                                        int(prefetch["link"])) for bags in batches], batches)
 
     sizes = (64, 512, 4096) if quick else (16, 64, 256, 1024, 4096, 16384)
     with numba_threads(threads):

@@ -136,21 +136,22 @@ def _spec(dim, bf16, serial, prefetch, widen) -> KernelSpec:
 
 
 def _prefetch_heuristic(problem):
-    """Far enough ahead to cover a DRAM miss, near enough that wide rows do not overflow the
-    outstanding-miss buffers. Into L2 for a table larger than the last-level cache: an L1
-    prefetch holds one of the L1's few fill buffers until its line arrives from DRAM, and those
-    cap the misses in flight. Into L1 for one that fits: its rows come from L3 or nearer, so a
-    fill buffer is held briefly, and the loads then hit L1 instead of waiting on L2."""
+    """Rows ahead as _rows.prefetch_distance. Into L1 for a table within L2: its rows are cached,
+    so an L1 fill buffer is held briefly and the loads then hit L1. Into L2 beyond: the rows may
+    come from DRAM, and an L1 prefetch holds one of the L1's few fill buffers until its line
+    arrives, which caps the misses in flight (a larger last-level cache may be shared with
+    other cores and processes, so it does not decide)."""
     rows, dim, _, _, itemsize, _ = problem
     distance = prefetch_distance(dim * itemsize) if d_class(dim) else 16  # one generic kernel per dtype
-    return {"distance": distance, "hint": "l1" if rows * dim * itemsize <= host_target().l3 else "l2"}
+    return {"distance": distance, "hint": "l1" if rows * dim * itemsize <= host_target().l2 else "l2"}
 
 
 def _prefetch_candidates(problem, quick):
     h = _prefetch_heuristic(problem)
     if quick:
         d = h["distance"]
-        return [h, {"distance": d // 2, "hint": "l2"}, {"distance": d, "hint": "l1"}, {"distance": d, "hint": "nta"}]
+        return [h, {"distance": d // 2, "hint": "l2"}, {"distance": 2 * d, "hint": h["hint"]},
+                {"distance": d, "hint": "l1"}, {"distance": d, "hint": "nta"}]
     return [{"distance": d, "hint": hint} for hint in HINTS for d in (8, 16, 24, 32, 48, 64)]
 
 
@@ -163,7 +164,7 @@ def _timed(problem, prefetch, widen):
     serial = batches[0][0].shape[0] * dim <= PARALLEL.choose(problem)["serial_max_work"]
     kern = get_kernel(_spec(dim, itemsize == 2, serial, prefetch, widen))
     out = np.empty((batch, dim), np.float32)
-    call = cycle([functools.partial(kern, w, bags, min(_CHUNKS, batch), out) for bags in batches])
+    call = cycle([functools.partial(kern, w, bags, min(_CHUNKS, batch), out) for bags in batches], batches)
     return call if serial else on_threads(threads, call)
 
 
@@ -191,7 +192,8 @@ def _parallel_search(problem, quick, timer):
     def run(nbags, parallel):
         batches, _ = draw_batches(problem, nbags)
         out = np.empty((nbags, dim), np.float32)
-        return cycle([functools.partial(kernels[not parallel], w, bags, min(_CHUNKS, nbags), out) for bags in batches])
+        return cycle([functools.partial(kernels[not parallel], w, bags, min(_CHUNKS, nbags), out) for bags in batches],
+                     batches)
 
     sizes = (16, 128, 1024, 8192) if quick else (16, 64, 256, 1024, 4096, 16384)
     with numba_threads(threads):

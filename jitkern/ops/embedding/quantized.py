@@ -29,6 +29,7 @@ from ...codegen.prefetch import prefetch_l2
 from ...codegen.qrowvec import fma_f32, qrow_fma, qrow_store, row_scale_bias
 from ...codegen.rowvec import stack_f32
 from .._check import I64, choice, float_array, index_array, output
+from ._knobs import cycle, draw_batches
 from ._rows import SPECIALISED_D, bag_end, empty_table, num_threads, prefetch_distance
 from ._validate import check_bags, raise_bag_error, validate_bags
 from .forward import SERIAL_WORK
@@ -320,16 +321,11 @@ def _runner(problem, params):
     rng = np.random.default_rng(0)
     table = QuantizedTable(empty_table(rows, row_bytes(dim, bits), np.uint8), bits, dim)
     table.data[:] = quantize_rowwise(rng.standard_normal((1, dim), dtype=np.float32), bits).data  # every page touched
-    batches = [(rng.integers(0, rows, 2048 * 20), np.arange(0, 2048 * 20, 20)) for _ in range(8)]
+    batches, _ = draw_batches((rows, dim, 20, 2048, row_bytes(dim, bits) / dim, 1))
     out = np.empty((2048, dim), np.float32)
     kern = _forward_kernel(_d_class(dim), bits, int(params["pf"]), _serial(2048 * 20 * dim))
-    state = [0]
-
-    def run():
-        idx, off = batches[state[0] % len(batches)]
-        state[0] += 1
-        kern(table.data, idx, off, _NO_PSW, False, False, _CHUNKS, out)
-    return run
+    return cycle([functools.partial(kern, table.data, bags[0], bags[1], _NO_PSW, False, False, _CHUNKS, out)
+                  for bags in batches], batches)
 
 
 PREFETCH = knob(

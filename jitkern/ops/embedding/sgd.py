@@ -227,7 +227,7 @@ def _timed(problem, prefetch, widen):
     nparts = _parts(nnz, dim, rows * dim * 4, threads, PARALLEL.choose(problem))
     kern = get_kernel(_spec(dim, itemsize == 2, nparts > 1, prefetch, widen))
     work = np.empty(nnz * nparts, np.int64) if nparts > 1 else _NO_SCRATCH
-    call = cycle([functools.partial(kern, bags, dout, _LR, target, work, nparts) for bags in batches])
+    call = cycle([functools.partial(kern, bags, dout, _LR, target, work, nparts) for bags in batches], batches)
     return call if nparts == 1 else on_threads(threads, call)
 
 
@@ -251,7 +251,8 @@ def _parallel_search(problem, quick, timer):
         batches, dout = draw_batches(problem, nbags)
         nparts = threads if parallel else 1
         work = np.empty(nbags * pooling * nparts, np.int64)
-        return cycle([functools.partial(kernels[parallel], bags, dout, _LR, target, work, nparts) for bags in batches])
+        calls = [functools.partial(kernels[parallel], bags, dout, _LR, target, work, nparts) for bags in batches]
+        return cycle(calls, batches)
 
     sizes = (64, 512, 4096) if quick else (16, 64, 256, 1024, 4096, 16384)
     with numba_threads(threads):
