@@ -203,3 +203,51 @@ def test_runners_share_one_batch_pool_and_position():
     alone = _knobs.cycle(calls)
     alone()
     assert seen == [0, 1, 2, 0]  # without a pool: its own position
+
+
+def test_hint_chooser_times_both_choices_and_keeps_the_faster(monkeypatch):
+    """Rounds time ADAPT_TRIES calls of each prefetch choice, alternately; the one faster per entry
+    (median) runs until the next round. Rounds come closer together at first, then every
+    ADAPT_EVERY calls, so a change of regime (rows cached, or not) is followed soon."""
+    monkeypatch.setattr(forward, "ADAPT_EVERY", 32)
+    tries = forward.ADAPT_TRIES
+    c = forward.HintChooser()
+    cost = {0: 2.0, 1: 1.0}
+    runs, timed_at = [], []
+    for call in range(300):
+        if call == 150:
+            cost = {0: 1.0, 1: 3.0}  # the regime changes: choice 0 is faster from now on
+        choice, timed = c.next()
+        runs.append((choice, timed))
+        if timed:
+            timed_at.append(call)
+            c.record(choice, cost[choice] + (5.0 if call == 0 else 0.0))  # one outlier: a compile
+    starts = [t for t in timed_at if t - 1 not in timed_at]
+    gaps = np.diff(starts)
+    assert starts[0] == 0 and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps.max() == 32
+    for s in starts:  # each round alternates the two choices
+        assert [runs[s + k] for k in range(2 * tries)] == [(k % 2, True) for k in range(2 * tries)]
+    untimed = [(call, choice) for call, (choice, timed) in enumerate(runs) if not timed]
+    assert {choice for call, choice in untimed if call < 150} == {1}
+    switched = next(s for s in starts if s >= 150) + 2 * tries
+    assert {choice for call, choice in untimed if call >= switched} == {0}
+
+
+def test_forward_beyond_l2_runs_both_hints_with_the_same_bits(monkeypatch, one_thread):
+    """A table beyond L2 gets a HintChooser (one within L2 does not): whichever choice runs, the
+    pooled rows are the same bits, and the reference's values."""
+    monkeypatch.setenv("JITKERN_CACHE_SIZES", "l2=256K")
+    monkeypatch.delenv("JITKERN_NO_TUNE", raising=False)
+    monkeypatch.setattr(forward, "ADAPT_EVERY", 8)
+    forward._KERNELS.clear()
+    big = np.random.default_rng(3).standard_normal((2048, DIM)).astype(np.float32)  # 512 KiB > 256 KiB
+    idx = np.random.default_rng(4).integers(0, big.shape[0], POOLING * BATCH)
+    off = np.arange(BATCH, dtype=np.int64) * POOLING
+    first = embedding_bag_forward(big, idx, off)
+    np.testing.assert_allclose(first, reference.embedding_bag_forward(big, idx, off), rtol=1e-5, atol=1e-5)
+    for _ in range(7):
+        np.testing.assert_array_equal(embedding_bag_forward(big, idx, off).view(np.uint32), first.view(np.uint32))
+    _, kernels, chooser = forward._kernels(big.shape[0], DIM, False, 1, idx.shape[0], BATCH)
+    assert len(kernels) == 2 and chooser is not None and chooser.calls == 8
+    assert forward._kernels(100, DIM, False, 1, idx.shape[0], BATCH)[2] is None  # 25 KiB: within L2
+    forward._KERNELS.clear()

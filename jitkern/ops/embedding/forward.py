@@ -13,6 +13,7 @@ rows are widened.
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 from numba import prange
@@ -21,7 +22,7 @@ from ...codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory,
 from ...codegen.knobs import knob
 from ...codegen.prefetch import HINTS
 from ...codegen.rowvec import WIDEN_SCHEMES, stack_f32
-from ...config import choice_token
+from ...config import choice_token, get_config
 from .._check import float_array
 from ._knobs import (
     NEVER,
@@ -219,22 +220,72 @@ WIDEN = knob("embedding.bf16.widen.forward", doc="how the forward widens bf16 ro
 # ----------------------------------------------------------------------------- op
 
 _KERNELS: dict = {}  # table key -> (token, choices): one entry per table shape and thread count
+ADAPT_EVERY = 512    # calls between two rounds that time both prefetch choices of a table
+ADAPT_TRIES = 3      # calls of each choice a round times, alternately
+
+
+class HintChooser:
+    """Which of two prefetch choices a table's forward runs: 0, the knobs' (tuned or heuristic),
+    or 1, the other hint. The rows of a table beyond L2 may come from DRAM (a new batch's rows:
+    best prefetched far ahead into L2) or from the caches (hot rows: best near, into L1), and
+    only the calls can tell: a round times ADAPT_TRIES calls of each, alternately, and the
+    faster per entry (median) runs until the next round. Rounds come 8, 16, 32, ... calls apart,
+    then every ADAPT_EVERY: the first calls find the rows colder than later ones will. Prefetches
+    change no bit of the result, only its speed."""
+    __slots__ = ("pick", "calls", "start", "gap", "times")
+
+    def __init__(self):
+        self.pick, self.calls, self.start, self.gap, self.times = 0, 0, 0, 4 * ADAPT_TRIES, ([], [])
+
+    def next(self) -> tuple[int, bool]:
+        """(choice to run, whether to time it and report it to record())."""
+        c = self.calls
+        self.calls = c + 1
+        k = c - self.start
+        if k < 2 * ADAPT_TRIES:
+            return k % 2, True
+        if k + 1 >= self.gap:  # the last call before the next round
+            self.start, self.gap = c + 1, min(2 * self.gap, ADAPT_EVERY)
+        return self.pick, False
+
+    def record(self, choice: int, seconds_per_entry: float) -> None:
+        times = self.times
+        times[choice].append(seconds_per_entry)
+        if len(times[0]) >= ADAPT_TRIES and len(times[1]) >= ADAPT_TRIES:
+            self.pick = int(np.median(times[1]) < np.median(times[0]))
+            self.times = ([], [])
+
+
+def _other_hint(prefetch, row_bytes):
+    """The alternative a HintChooser tries: into L2 at the heuristic's distance, or into L1 at half
+    of it (an L1 prefetch holds a fill buffer until its line arrives: fewer in flight)."""
+    far = prefetch_distance(row_bytes)
+    if prefetch["hint"] == "l1":
+        return {"distance": far, "hint": "l2"}
+    return {"distance": max(far // 2, 8), "hint": "l1"}
 
 
 def _kernels(rows, dim, bf16, threads, nnz, nbags):
-    """(serial_max_work, serial kernel, parallel kernel) of a table at a thread count: the knobs'
-    choices, memoised per table and thread count and made again when a setting they depend on
-    changes (choice_token(), tunedb.generation(), as gemm_blocking.BlockChoices): the DLRM calls once per
-    table per step."""
+    """(serial_max_work, [(serial kernel, parallel kernel) per prefetch choice], HintChooser or
+    None) of a table at a thread count: the knobs' choices, memoised per table and thread count
+    and made again when a setting they depend on changes (choice_token(), tunedb.generation(),
+    as gemm_blocking.BlockChoices): the DLRM calls once per table per step. Tables within L2 (their
+    rows are cached: into L1 is right) and the generic kernel have one choice; so does
+    JITKERN_NO_TUNE (the heuristics' choices only)."""
     token = (choice_token(), tunedb.generation())
     key = (rows, dim, bf16, threads)
     got = _KERNELS.get(key)
     if got is None or got[0] != token:
-        problem = call_problem(rows, dim, nnz, nbags, 2 if bf16 else 4, threads)
+        itemsize = 2 if bf16 else 4
+        problem = call_problem(rows, dim, nnz, nbags, itemsize, threads)
         prefetch, widen = PREFETCH.choose(problem), WIDEN.choose(problem)
-        got = _KERNELS[key] = (token, (PARALLEL.choose(problem)["serial_max_work"],
-                                       get_kernel(_spec(dim, bf16, True, prefetch, widen)),
-                                       get_kernel(_spec(dim, bf16, False, prefetch, widen))))
+        choices = [prefetch]
+        if get_config().use_tuning and d_class(dim) and rows * dim * itemsize > host_target().l2:
+            choices.append(_other_hint(prefetch, dim * itemsize))
+        kernels = [(get_kernel(_spec(dim, bf16, True, c, widen)), get_kernel(_spec(dim, bf16, False, c, widen)))
+                   for c in choices]
+        got = _KERNELS[key] = (token, (PARALLEL.choose(problem)["serial_max_work"], kernels,
+                                       HintChooser() if len(kernels) > 1 else None))
     return got[1]
 
 
@@ -249,9 +300,15 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
     else:  # a strided out (one table's slice of a (B, T, D) buffer, say) is pooled into a copy
         dest = float_array("out", out, shape=(nbags, D), writeable=True)
     nnz = bags[0].shape[0]
-    serial_max_work, serial, parallel = _kernels(R, D, bf16, num_threads(), nnz, nbags)
-    kern = serial if nnz * D <= serial_max_work else parallel
-    code, pos, val = kern(w, bags, min(_CHUNKS, nbags), dest)
+    serial_max_work, kernels, chooser = _kernels(R, D, bf16, num_threads(), nnz, nbags)
+    choice, timed = chooser.next() if chooser is not None else (0, False)
+    kern = kernels[choice][0 if nnz * D <= serial_max_work else 1]
+    if timed:
+        t0 = time.perf_counter()
+        code, pos, val = kern(w, bags, min(_CHUNKS, nbags), dest)
+        chooser.record(choice, (time.perf_counter() - t0) / max(nnz, 1))
+    else:
+        code, pos, val = kern(w, bags, min(_CHUNKS, nbags), dest)
     if code:  # found before anything was written
         raise_bag_error(code, pos, val, "weight", R, nnz)
     if dest is not out:
