@@ -206,31 +206,32 @@ def test_runners_share_one_batch_pool_and_position():
 
 
 def test_hint_chooser_times_both_choices_and_keeps_the_faster(monkeypatch):
-    """Rounds time ADAPT_TRIES calls of each prefetch choice, alternately; the one faster per entry
-    (median) runs until the next round. Rounds come closer together at first, then every
-    ADAPT_EVERY calls, so a change of regime (rows cached, or not) is followed soon."""
-    monkeypatch.setattr(forward, "ADAPT_EVERY", 32)
+    """A round runs each prefetch choice ADAPT_TRIES + 1 times in a row and times all but the first
+    (the caches as the other choice left them); the one faster per entry (median) runs until the
+    next round. Rounds come closer together at first, then every ADAPT_EVERY calls, so a change
+    of regime (rows cached, or not) is followed soon."""
+    monkeypatch.setattr(forward, "ADAPT_EVERY", 64)
     tries = forward.ADAPT_TRIES
+    block = [(0, False)] + [(0, True)] * tries + [(1, False)] + [(1, True)] * tries
     c = forward.HintChooser()
     cost = {0: 2.0, 1: 1.0}
-    runs, timed_at = [], []
-    for call in range(300):
-        if call == 150:
+    runs = []
+    for call in range(600):
+        if call == 300:
             cost = {0: 1.0, 1: 3.0}  # the regime changes: choice 0 is faster from now on
         choice, timed = c.next()
         runs.append((choice, timed))
         if timed:
-            timed_at.append(call)
-            c.record(choice, cost[choice] + (5.0 if call == 0 else 0.0))  # one outlier: a compile
-    starts = [t for t in timed_at if t - 1 not in timed_at]
+            c.record(choice, cost[choice] + (5.0 if len(runs) == 2 else 0.0))  # one outlier
+    starts = [i for i in range(len(runs) - len(block) + 1) if runs[i:i + len(block)] == block]
     gaps = np.diff(starts)
-    assert starts[0] == 0 and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps.max() == 32
-    for s in starts:  # each round alternates the two choices
-        assert [runs[s + k] for k in range(2 * tries)] == [(k % 2, True) for k in range(2 * tries)]
-    untimed = [(call, choice) for call, (choice, timed) in enumerate(runs) if not timed]
-    assert {choice for call, choice in untimed if call < 150} == {1}
-    switched = next(s for s in starts if s >= 150) + 2 * tries
-    assert {choice for call, choice in untimed if call >= switched} == {0}
+    assert starts[0] == 0 and all(b >= a for a, b in zip(gaps, gaps[1:])) and gaps.max() == 64
+    rounds = {i + k for i in starts for k in range(len(block))}
+    assert not any(timed for i, (_, timed) in enumerate(runs) if i not in rounds)  # only rounds are timed
+    between = [(i, choice) for i, (choice, _) in enumerate(runs) if i not in rounds]
+    assert {choice for i, choice in between if i < 300} == {1}
+    switched = next(s for s in starts if s >= 300) + len(block)
+    assert {choice for i, choice in between if i >= switched} == {0}
 
 
 def test_forward_beyond_l2_runs_both_hints_with_the_same_bits(monkeypatch, one_thread):

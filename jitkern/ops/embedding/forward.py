@@ -221,29 +221,31 @@ WIDEN = knob("embedding.bf16.widen.forward", doc="how the forward widens bf16 ro
 
 _KERNELS: dict = {}  # table key -> (token, choices): one entry per table shape and thread count
 ADAPT_EVERY = 512    # calls between two rounds that time both prefetch choices of a table
-ADAPT_TRIES = 3      # calls of each choice a round times, alternately
+ADAPT_TRIES = 3      # calls of each choice a round times (after one untimed call of it)
 
 
 class HintChooser:
     """Which of two prefetch choices a table's forward runs: 0, the knobs' (tuned or heuristic),
     or 1, the other hint. The rows of a table beyond L2 may come from DRAM (a new batch's rows:
     best prefetched far ahead into L2) or from the caches (hot rows: best near, into L1), and
-    only the calls can tell: a round times ADAPT_TRIES calls of each, alternately, and the
-    faster per entry (median) runs until the next round. Rounds come 8, 16, 32, ... calls apart,
-    then every ADAPT_EVERY: the first calls find the rows colder than later ones will. Prefetches
-    change no bit of the result, only its speed."""
+    only the calls can tell: a round runs each choice ADAPT_TRIES + 1 times in a row and times
+    all but the first (which finds the caches as the other choice left them: alternating calls
+    measured each choice partly by the other), and the faster per entry (median) runs until the
+    next round. Rounds come 16, 32, 64, ... calls apart, then every ADAPT_EVERY: the first calls
+    find the rows colder than later ones will. Prefetches change no bit of the result, only its
+    speed."""
     __slots__ = ("pick", "calls", "start", "gap", "times")
 
     def __init__(self):
-        self.pick, self.calls, self.start, self.gap, self.times = 0, 0, 0, 4 * ADAPT_TRIES, ([], [])
+        self.pick, self.calls, self.start, self.gap, self.times = 0, 0, 0, 4 * (ADAPT_TRIES + 1), ([], [])
 
     def next(self) -> tuple[int, bool]:
         """(choice to run, whether to time it and report it to record())."""
         c = self.calls
         self.calls = c + 1
         k = c - self.start
-        if k < 2 * ADAPT_TRIES:
-            return k % 2, True
+        if k < 2 * (ADAPT_TRIES + 1):
+            return k // (ADAPT_TRIES + 1), k % (ADAPT_TRIES + 1) != 0
         if k + 1 >= self.gap:  # the last call before the next round
             self.start, self.gap = c + 1, min(2 * self.gap, ADAPT_EVERY)
         return self.pick, False
