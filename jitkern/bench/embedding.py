@@ -6,8 +6,9 @@ sees it through torch.from_numpy): by default as jitkern and its DLRM allocate t
 them), with --alloc numpy as np.full does (16-byte aligned, 4 KiB pages). Each timing loop
 takes the next of several pre-drawn batches per call, as training does (together they touch
 twice the last-level cache in rows, 96 MiB at least: from memory, not from a cache the previous
-call warmed; --same-batch repeats one). Then for each index draw (uniform pooling 1 and 20, Zipf-skewed pooling 20) the forward
-and the update are timed against NumPy and, when importable, torch.
+call warmed; --same-batch repeats one). Then for each index draw (uniform pooling 1 and 20,
+Zipf-skewed pooling 20) the forward and the update are timed against NumPy and, when importable,
+torch.
 Rows/s count looked-up (forward) or updated (SGD) index entries; GB/s counts the table bytes those
 rows move (read for forward, read + write for updates), next to this machine's copy bandwidth.
 --quantized times the 8- and 4-bit row-wise quantized forward instead (bench_quantized).
@@ -19,8 +20,8 @@ import argparse
 import numpy as np
 
 from .. import ops
-from ..codegen.target import host_target
 from ..ops import SplitBF16Table
+from ..ops.embedding._knobs import pool_bytes
 from .common import copy_bandwidth_gbs, do_bench, print_table, set_threads, torch_or_none
 
 LR = 0.01
@@ -119,9 +120,10 @@ INDEX_BYTES = 256 << 20  # index memory a pool may hold (it caps the pools of na
 
 def _pool_size(batch_bytes: int, nnz: int) -> int:
     """How many batches each timing loop cycles through: training sees a new batch every step, so
-    rows should come from memory, not from a cache the previous call warmed. Their rows cover
-    twice the last-level cache, whose size the host reports (a large one holds a small pool)."""
-    want = max(POOL_BYTES, 2 * host_target().l3)
+    rows should come from memory, not from a cache the previous call warmed. Their rows cover as
+    many bytes as the tuner's pools (ops.embedding._knobs.pool_bytes: twice the last-level
+    cache), 96 MiB at least."""
+    want = max(POOL_BYTES, pool_bytes())
     return int(min(max(1, INDEX_BYTES // (16 * nnz)), max(4, -(-want // batch_bytes))))
 
 

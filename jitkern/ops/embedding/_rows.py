@@ -19,8 +19,8 @@ import numpy as np
 from ...codegen import jit
 from ...codegen.bf16 import as_float32, as_uint32, widen
 from ...codegen.prefetch import HINTS, prefetch_at
-from ...codegen.target import host_target
 from ...codegen.rowvec import SHUFFLE, row_axpy, row_set, row_split_axpy, row_sum_squares
+from ...codegen.target import host_target
 
 SPECIALISED_D = (16, 32, 64, 128)  # widths that get a compile-time-D kernel
 L2 = HINTS["l2"]                   # the updates' prefetch level: the line arrives shared, written in place

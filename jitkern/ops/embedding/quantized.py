@@ -321,6 +321,7 @@ def _runner(problem, params):
     rng = np.random.default_rng(0)
     table = QuantizedTable(empty_table(rows, row_bytes(dim, bits), np.uint8), bits, dim)
     table.data[:] = quantize_rowwise(rng.standard_normal((1, dim), dtype=np.float32), bits).data  # every page touched
+    # posed as a table of row_bytes / dim bytes per element, so the pool covers the rows' bytes
     batches, _ = draw_batches((rows, dim, 20, 2048, row_bytes(dim, bits) / dim, 1))
     out = np.empty((2048, dim), np.float32)
     kern = _forward_kernel(_d_class(dim), bits, int(params["pf"]), _serial(2048 * 20 * dim))
