@@ -241,3 +241,40 @@ def test_sharded_checkpoint_of_one_process_keeps_the_optimizer_state_and_resumes
             model.train_step(b.dense, b.offsets, b.indices, b.labels, 0.05)
     for k, v in m.checkpoint_arrays().items():
         np.testing.assert_array_equal(other.checkpoint_arrays()[k], v, err_msg=k)
+
+
+def test_ranks_wait_for_the_slowest_by_the_expected_maximum_of_their_spread():
+    from jitkern.dlrm.costmodel import expected_max_normal, sync_wait
+    from jitkern.dlrm.scale import DenseStages, make_plan, predict_plan
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / np.sqrt(np.pi), abs=1e-4)     # E|X - Y| / 2
+    draws = np.random.default_rng(0).standard_normal((100_000, 64))
+    for n in (3, 8, 64):
+        assert expected_max_normal(n) == pytest.approx(draws[:, :n].max(axis=1).mean(), abs=0.01)
+    assert sync_wait(2e-3, 4) == pytest.approx(2e-3 * expected_max_normal(4))
+    # a prediction on P ranks carries that wait; a spread of 0 (dense stages not measured) none
+    cfg, P, batch = CONFIGS["kaggle"], 4, 4096
+    calm = DenseStages(dense_estimate(cfg.bottom, [cfg.dim + 351] + list(cfg.top), batch // P))
+    shaky = DenseStages(calm)
+    shaky.sd = 3e-3
+    plan = make_plan(cfg, P, batch, kinds="column", dense=calm, rates=Rates(), network=Network())
+    a, b = (predict_plan("p", plan, cfg, batch, d, Rates(), Network()) for d in (calm, shaky))
+    assert b.step - a.step == pytest.approx(sync_wait(3e-3, P))
+    assert b.exposed - a.exposed == pytest.approx(b.step - a.step)
+    assert b.compute == a.compute
+
+
+def test_measured_dense_stages_are_medians_with_their_spread():
+    from jitkern.bench.dist import _combine_dense, _dense_rows
+    from jitkern.dlrm.scale import DenseStages, measure_dense
+    got = measure_dense(CONFIGS["tiny"], [8, 16], reps=3)
+    assert sorted(got) == [8, 16]
+    for st in got.values():
+        assert isinstance(st, DenseStages) and st.sd >= 0 and "top_fwd" in st
+        assert not any(k.startswith("embedding") for k in st)
+    # bench dist's rounds (JSON: rows as strings) -> each stage's and the spread's median
+    rounds = [{"8": {"top_fwd": t, "loss": 1.0, "sd": s}} for t, s in ((3.0, 0.1), (1.0, 0.3), (2.0, 0.2))]
+    both = _combine_dense(rounds)
+    assert list(both) == [8] and dict(both[8]) == {"top_fwd": 2.0, "loss": 1.0} and both[8].sd == 0.2
+    # the slices the model needs: weak (the per-rank batch) and strong (the global batch's largest slice)
+    assert _dense_rows([1, 2, 3], 2048) == [683, 1024, 2048]

@@ -82,6 +82,38 @@ def worker(args) -> int:
     return 0
 
 
+def dense_worker(args) -> int:
+    """Time the model's dense stages (scale.measure_dense) at each of args.dense_rows rows and print
+    {rows: {stage: seconds, ..., "sd": seconds}} as one JSON line."""
+    from ..dlrm.scale import measure_dense
+
+    set_threads(1)
+    rows = [int(r) for r in args.dense_rows.split(",")]
+    got = measure_dense(CONFIGS[args.config], rows, reps=args.steps)
+    print(json.dumps({r: dict(st, sd=st.sd) for r, st in got.items()}), flush=True)
+    return 0
+
+
+def _dense_rows(ranks, batch: int) -> list:
+    """The per-rank batch slices the model needs dense stages at: weak (batch per rank) and strong
+    (the largest of the global batch's P slices), for each P."""
+    from ..dlrm.placement import batch_slices
+    return sorted({max(hi - lo for lo, hi in batch_slices(b, p)) for p in ranks for b in (batch * p, batch)})
+
+
+def _combine_dense(results: list) -> dict:
+    """Rounds of dense_worker output -> {rows: DenseStages}: each stage's (and sd's) median over rounds."""
+    from ..dlrm.scale import DenseStages
+
+    out = {}
+    for rows in results[0]:
+        keys = results[0][rows]
+        med = {k: float(np.median([r[rows][k] for r in results])) for k in keys}
+        out[int(rows)] = st = DenseStages((k, v) for k, v in med.items() if k != "sd")
+        st.sd = med["sd"]
+    return out
+
+
 def _combine(results: list) -> dict:
     """One launch's result per round -> the median step over rounds (and the launches' worst cpu
     share); losses, profile and exchange counts from the round whose step is that median."""
@@ -94,9 +126,9 @@ def _combine(results: list) -> dict:
     return mid
 
 
-def _launch(config, ranks, batch, steps, warmup, timeout, sharding):
+def _launch(config, ranks, batch, steps, warmup, timeout, sharding, extra=()):
     cmd = WORKER + ["--config", config, "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup),
-                    "--sharding", sharding]
+                    "--sharding", sharding, *extra]
     if ranks > 1:
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
         if mpiexec is None:
@@ -124,6 +156,7 @@ def _parse(argv):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dense-rows", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not args.worker:
         unknown = sorted(set(args.config or []) - set(CONFIGS))
@@ -135,17 +168,21 @@ def _parse(argv):
     return args
 
 
-def _run_rounds(name, ranks, args) -> dict:
-    """(sharding, P, global batch) -> the combined result of its launches (the one-process run's
-    sharding is None). Every measurement is its own launch, in turn with the others, so each sees
-    the machine as the others did around it, and no process holds more than the model it times."""
+def _run_rounds(name, ranks, args) -> tuple:
+    """-> ({(sharding, P, global batch): the combined result of its launches (the one-process run's
+    sharding is None)}, {rows: the model's dense stages}). Every measurement is its own launch, in
+    turn with the others, so each sees the machine as the others did around it, and no process
+    holds more than the model it times."""
     cores = os.cpu_count() or 1
     shardings = args.sharding.split(",")
     launches = [(None, 1, args.batch)] + sorted({(sh, p, args.batch * p if mode == "weak" else args.batch)
                                                  for sh in shardings for p in ranks if p > 1
                                                  for mode in ("weak", "strong")})
     results = {key: [] for key in launches}
+    dense, dense_rows = [], ",".join(map(str, _dense_rows(ranks, args.batch)))
     for _ in range(args.rounds):
+        # the model's dense stages, measured in each round as the runs are: the machine's speed drifts
+        dense.append(_launch(name, 1, args.batch, 5, 0, args.timeout, "auto", ("--dense-rows", dense_rows)))
         for sh, p, batch in launches:
             over = p > cores
             if over and results[(sh, p, batch)]:
@@ -153,10 +190,10 @@ def _run_rounds(name, ranks, args) -> dict:
             results[(sh, p, batch)].append(_launch(name, p, batch, 2 if over else args.steps,
                                                    min(args.warmup, 2) if over else args.warmup, args.timeout,
                                                    sh or "auto"))
-    return {key: _combine(r) for key, r in results.items()}
+    return {key: _combine(r) for key, r in results.items()}, _combine_dense(dense)
 
 
-def _scaling_rows(name, ranks, runs, link, args, rates) -> list:
+def _scaling_rows(name, ranks, runs, link, args, rates, dense_at) -> list:
     """One table row per (sharding, mode, P): measured step, efficiency or speed-up, comm, and the
     model's prediction for the same sharding."""
     from ..dlrm.scale import measure_and_predict
@@ -171,7 +208,7 @@ def _scaling_rows(name, ranks, runs, link, args, rates) -> list:
             # the ranks share this machine: MPI moves their bytes with their own CPUs (no offload)
             preds = measure_and_predict(CONFIGS[name], ranks, mode, bandwidth_gbs=link[0], latency_us=link[1],
                                         per_rank_batch=args.batch, kinds=sh, rates=rates, offload=False,
-                                        log=lambda *a: None)
+                                        dense_at=dense_at, log=lambda *a: None)
             for p, pred in zip(ranks, preds):
                 run = base if p == 1 else runs[(sh, p, args.batch * p if mode == "weak" else args.batch)]
                 step, prof = run["step"], run["profile"]
@@ -221,7 +258,7 @@ def main(argv=None) -> int:
     sleep_idle_workers()                 # before the first parallel kernel (inherited by the launches)
     if args.worker:
         args.config = args.config[0]
-        return worker(args)
+        return dense_worker(args) if args.dense_rows else worker(args)
     names = args.config or ["kaggle", "paper-small"]
     ranks = sorted({int(x) for x in args.ranks.split(",")} | {1})
     print(f"bench dist: one thread per rank, {os.cpu_count()} CPUs here; per-rank/global batch {args.batch}; "
@@ -230,13 +267,13 @@ def main(argv=None) -> int:
     rates = measured_rates()
     rows, comm_rows, spread = [], [], []
     for name in names:
-        runs = _run_rounds(name, ranks, args)
+        runs, dense_at = _run_rounds(name, ranks, args)
         spread.append(f"  {name}: " + "; ".join(
             f"{sh or '-'} P={p} B={b}: " + " ".join(f"{t * 1e3:.1f}" for t in r["rounds"])
             for (sh, p, b), r in runs.items()))
         link = next((r for (_, p, _), r in runs.items() if p > 1), {"link_gbs": 10.0, "latency_us": 1.0})
         bw, lat = max(link["link_gbs"], 0.1), link["latency_us"]
-        rows += _scaling_rows(name, ranks, runs, (bw, lat), args, rates)
+        rows += _scaling_rows(name, ranks, runs, (bw, lat), args, rates, dense_at)
         print(f"  {name}: link between ranks {bw:.1f} GB/s, {lat:.1f} us (used by the model)")
         comm_rows += _comm_rows(name, runs)
     _print_report(rows, comm_rows, spread)
