@@ -266,7 +266,10 @@ def test_ranks_wait_for_the_slowest_by_the_expected_maximum_of_their_spread():
 
 def test_measured_dense_stages_are_medians_with_their_spread():
     from jitkern.bench.dist import _combine_dense, _dense_rows
-    from jitkern.dlrm.scale import DenseStages, measure_dense
+    from jitkern.dlrm.scale import DenseStages, measure_dense, table_traffic
+    # the caches see a rank's share of the lookups' rows before each timed step: 100 lookups of
+    # 8 tables of 64 floats per sample, read by the forward and again by the update
+    assert table_traffic(CONFIGS["paper-small"], 32) == 32 * 100 * 8 * 64 * 4 * 2
     got = measure_dense(CONFIGS["tiny"], [8, 16], reps=3)
     assert sorted(got) == [8, 16]
     for st in got.values():

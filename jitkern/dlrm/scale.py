@@ -69,7 +69,10 @@ def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> DenseStages | dict:
     """Per-stage seconds of a train step at `rows` (one size, or several: -> {rows: stages}), tables
     shrunk to 4 rows (their cost is not wanted). Each stage's median of `reps` steps (a measured
     step is a typical one, not the luckiest: the sum of per-stage minima fell 3-7% short of it);
-    several sizes are timed in turns, so every size sees the machine as the others do."""
+    several sizes are timed in turns, so every size sees the machine as the others do. Before each
+    timed step, as many bytes stream through the caches as one rank's tables move in a step at
+    that slice (table_traffic): the MLPs' weights find the caches as the lookups left them."""
+    from ..codegen.target import host_target
     from .model import DLRM, StageTimer
 
     sizes = sorted({int(r) for r in np.atleast_1d(rows)})
@@ -83,8 +86,11 @@ def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> DenseStages | dict:
         for _ in range(2):
             m.train_step(*batches[r], 0.01)
     seen = {r: {} for r in sizes}
+    llc = max(host_target().l3, 1 << 20)
+    evict = {r: cache_evictor(min(table_traffic(cfg, r), 2 * llc)) for r in sizes}
     for _ in range(reps):
         for r in sizes:
+            evict[r]()
             timer.reset()
             m.train_step(*batches[r], 0.01, check=False)
             for k, v in timer.seconds.items():
@@ -95,6 +101,13 @@ def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> DenseStages | dict:
         best[r] = DenseStages((k, float(np.median(v))) for k, v in seen[r].items())
         best[r].sd = float(np.std(np.sum(list(seen[r].values()), axis=0)))
     return best if np.ndim(rows) else best[sizes[0]]
+
+
+def table_traffic(cfg: ModelConfig, rows: int) -> int:
+    """Bytes of table rows one rank moves through its caches in a step with a batch slice of
+    `rows` rows, the tables evenly shared: each of the slice's lookups read in the forward and read
+    and written again by the update (whatever the sharding, P ranks together look up P slices)."""
+    return int(rows * sum(cfg.pooling) * cfg.dim * 4 * 2)
 
 
 def config_batch(cfg: ModelConfig, rows: int):
