@@ -65,7 +65,10 @@ def worker(args) -> int:
         m.exchange.reset_stats()
     times, cpu, more, share = _timed_steps(m, batches, args.steps, comm)
     losses += more
+    # each rank's time outside MPI calls per step: how evenly the ranks' work is shared
+    busy = [float(np.mean(times))]
     if comm is not None:
+        busy = comm.allgather(busy[0] - sum(s.exposed for s in m.exchange.stats.values()) / args.steps)
         times = list(np.max(comm.allgather(times), axis=0))     # a step ends when its last rank does
         cpu = list(np.max(comm.allgather(cpu), axis=0))
         share = min(comm.allgather(share))
@@ -74,7 +77,7 @@ def worker(args) -> int:
         print(json.dumps({"ranks": 1 if comm is None else comm.Get_size(), "batch": args.batch,
                           "kinds": sorted(set(m.plan.kinds())) if comm is not None else [],
                           "steps": args.steps, "warmup": args.warmup, "step": float(np.median(times)),
-                          "cpu_step": float(np.median(cpu)),
+                          "cpu_step": float(np.median(cpu)), "rank_busy": busy,
                           "losses": losses, "cpu_share": share,
                           "profile": {k: v / args.steps for k, v in timer.seconds.items()},
                           "link_gbs": link[0], "latency_us": link[1],
@@ -219,7 +222,8 @@ def _scaling_rows(name, ranks, runs, link, args, rates, dense_at) -> list:
                              f"{prof.get('communication', 0) * 1e3:.1f}", f"{prof.get('comm_hidden', 0) * 1e3:.1f}",
                              f"{pred.step * 1e3:.1f}", f"{(pred.step / step - 1) * 100:+.0f}%",
                              f"{run['cpu_step'] * 1e3:.1f}", f"{(pred.step / run['cpu_step'] - 1) * 100:+.0f}%",
-                             f"{run['cpu_share']:.2f}", str(loss_ok) + over])
+                             f"{run['cpu_share']:.2f}", "/".join(f"{b * 1e3:.1f}" for b in run["rank_busy"]),
+                             str(loss_ok) + over])
     return rows
 
 
@@ -228,7 +232,7 @@ def _comm_rows(name, runs) -> list:
     rows = []
     for (sh, p, batch), run in sorted(runs.items(), key=lambda kv: (kv[0][0] or "", kv[0][1:])):
         for kind, calls, mb, wire, exposed, hidden in run["comm"]:
-            n = run["steps"] + run["warmup"]       # exchange counters include the warmup steps
+            n = run["steps"]                       # the counters start after the warmup (reset_stats)
             rows.append([name, sh or "-", p, batch, kind, f"{calls / n:.0f}", f"{mb / n:.2f}", f"{wire / n:.2f}",
                          f"{exposed / n:.2f}", f"{hidden / n:.2f}"])
     return rows
@@ -237,14 +241,15 @@ def _comm_rows(name, runs) -> list:
 def _print_report(rows, comm_rows, spread) -> None:
     print_table(["config", "sharding", "mode", "P", "global B", "ms/step", "samples/s", "eff|speedup",
                  "comm exposed ms", "comm hidden ms", "model ms", "model err", "cpu ms/step", "vs cpu", "cpu share",
-                 "loss = P1"], rows)
+                 "busy ms by rank", "loss = P1"], rows)
     print("eff = step(P=1) / step(P) at a fixed per-rank batch; speedup = step(P=1) / step(P) at a fixed global "
           "batch; medians over rounds, each of which launches the one-process run and every P-rank job once, "
           "in turn, so all see the same machine; comm columns are per step on "
           "rank 0; cpu share: the lowest CPU-time / wall-time of a rank while timed (a hint, not proof: "
           "well below 1 usually means other processes took CPU from a rank; rerun on an idle machine); cpu ms/step: "
           "the slowest rank's CPU time per step (its MPI waits poll, so on an idle machine it is the step), and "
-          "the model against it (the model's rates are CPU time too).")
+          "the model against it (the model's rates are CPU time too); busy ms by rank: each rank's step time "
+          "outside MPI calls (uneven: the ranks wait for the busiest).")
     print("ms/step of each round (launch):", *spread, sep="\n")
     if comm_rows:
         print("\nexchanges per step on rank 0 (link ms: bytes and latency on the measured link; exposed: time in "
