@@ -123,7 +123,7 @@ def _cycles() -> list:
 
 
 def test_the_parser_sees_imports_in_functions_and_command_tables():
-    assert "jitkern.dlrm.model" in GRAPH["jitkern.dlrm.scale"]           # inside measure_dense
+    assert "jitkern.dlrm.model" in GRAPH["jitkern.dlrm.calibration"]     # inside measure_dense
     assert "jitkern.dlrm.cli" in GRAPH["jitkern.__main__"]                # COMMANDS
     assert "jitkern.bench.dlrm" in GRAPH["jitkern.bench"]                 # BENCHES
     assert "jitkern.ops" in GRAPH["jitkern.dlrm.model"]                   # from .. import ops

@@ -245,7 +245,8 @@ def test_sharded_checkpoint_of_one_process_keeps_the_optimizer_state_and_resumes
 
 def test_ranks_wait_for_the_slowest_by_the_expected_maximum_of_their_spread():
     from jitkern.dlrm.costmodel import expected_max_normal, sync_wait
-    from jitkern.dlrm.scale import DenseStages, make_plan, predict_plan
+    from jitkern.dlrm.calibration import DenseStages
+    from jitkern.dlrm.scale import make_plan, predict_plan
     assert expected_max_normal(1) == 0.0
     assert expected_max_normal(2) == pytest.approx(1 / np.sqrt(np.pi), abs=1e-4)     # E|X - Y| / 2
     draws = np.random.default_rng(0).standard_normal((100_000, 64))
@@ -266,7 +267,7 @@ def test_ranks_wait_for_the_slowest_by_the_expected_maximum_of_their_spread():
 
 def test_measured_dense_stages_are_medians_with_their_spread():
     from jitkern.bench.dist import _combine_dense, _dense_rows
-    from jitkern.dlrm.scale import DenseStages, measure_dense, table_traffic
+    from jitkern.dlrm.calibration import DenseStages, measure_dense, table_traffic
     # the caches see a rank's share of the lookups' rows before each timed step: 100 lookups of
     # 8 tables of 64 floats per sample, read by the forward and again by the update
     assert table_traffic(CONFIGS["paper-small"], 32) == 32 * 100 * 8 * 64 * 4 * 2

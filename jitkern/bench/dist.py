@@ -86,9 +86,9 @@ def worker(args) -> int:
 
 
 def dense_worker(args) -> int:
-    """Time the model's dense stages (scale.measure_dense) at each of args.dense_rows rows and print
+    """Time the model's dense stages (calibration.measure_dense) at each of args.dense_rows rows and print
     {rows: {stage: seconds, ..., "sd": seconds}} as one JSON line."""
-    from ..dlrm.scale import measure_dense
+    from ..dlrm.calibration import measure_dense
 
     set_threads(1)
     rows = [int(r) for r in args.dense_rows.split(",")]
@@ -106,7 +106,7 @@ def _dense_rows(ranks, batch: int) -> list:
 
 def _combine_dense(results: list) -> dict:
     """Rounds of dense_worker output -> {rows: DenseStages}: each stage's (and sd's) median over rounds."""
-    from ..dlrm.scale import DenseStages
+    from ..dlrm.calibration import DenseStages
 
     out = {}
     for rows in results[0]:
@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     ranks = sorted({int(x) for x in args.ranks.split(",")} | {1})
     print(f"bench dist: one thread per rank, {os.cpu_count()} CPUs here; per-rank/global batch {args.batch}; "
           f"shardings {args.sharding}")
-    from ..dlrm.scale import measured_rates
+    from ..dlrm.calibration import measured_rates
     rates = measured_rates()
     rows, comm_rows, spread = [], [], []
     for name in names:

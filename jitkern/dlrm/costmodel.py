@@ -73,7 +73,7 @@ class Rates:
     of a table's pieces in one call); copy_gbs: block copies and sums; bucket_ns, bucket_us: per
     lookup and per table, sorting a slice's lookups by row shard; fixed_us: per
     table and step, what a sharding's code costs beyond the terms above (the Python around the
-    calls), by kind, for a rank holding a piece and for one only receiving (scale.py measures it).
+    calls), by kind, for a rank holding a piece and for one only receiving (calibration.py measures it).
     """
     lookup_ns: tuple = DEFAULT_LOOKUP_NS
     cache_bytes: int = 8 << 20
