@@ -94,11 +94,19 @@ def test_heuristics_are_the_choices_before_knobs():
     assert sgd.PARALLEL.heuristic(p(64, threads=2)) == {"min_work": 1 << 16, "min_table": 16 << 20}
     assert adagrad.PREFETCH.heuristic(p(64)) == {"distance": 32, "link": 32}
     assert adagrad.PARALLEL.heuristic(p(64, threads=2)) == {"min_nnz": 8192}
-    assert forward.WIDEN.heuristic(p(64, 2)) == sgd.WIDEN.heuristic(p(64, 2)) == {"scheme": "shuffle"}
+    assert forward.WIDEN.heuristic(p(64, 2)) == sgd.WIDEN.heuristic(p(64, 2)) == _knobs.widen_heuristic(p(64, 2))
     assert {k for k in knobs.registered() if k.startswith("embedding.")} == {
         "embedding.forward.prefetch", "embedding.update.prefetch.sgd", "embedding.update.prefetch.adagrad",
         "embedding.parallel.forward", "embedding.parallel.sgd", "embedding.parallel.adagrad",
         "embedding.bf16.widen.forward", "embedding.bf16.widen.sgd", "embedding.quantized.prefetch"}
+
+
+@pytest.mark.parametrize("isa, scheme", [("avx512", "shuffle"), ("avx2", "shift"), ("scalar", "shift")])
+def test_bf16_rows_widen_by_a_cross_lane_shuffle_only_with_avx512(isa, scheme, monkeypatch):
+    # a choice, no kernel: any ISA can be posed on any host
+    monkeypatch.setattr(_knobs, "target_isa", lambda: isa)
+    problem = (1 << 20, 128, 20, 2048, 2, 1)
+    assert forward.WIDEN.heuristic(problem) == sgd.WIDEN.heuristic(problem) == {"scheme": scheme}
 
 
 @pytest.mark.parametrize("name, bf16", [("embedding.forward.prefetch", False), ("embedding.update.prefetch.sgd", False),

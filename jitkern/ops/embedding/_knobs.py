@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from ...codegen.knobs import pow2_class
-from ...codegen.target import host_target
+from ...codegen.target import host_target, target_isa
 from ._rows import NO_PSW, empty_table
 from .split_bf16 import SplitBF16Table
 
@@ -31,6 +31,13 @@ def problems(workload, itemsizes=(4, 2)):
         if itemsize in itemsizes:
             for threads in workload.threads:
                 yield int(rows), int(dim), int(pooling), int(batch), int(itemsize), int(threads)
+
+
+def widen_heuristic(problem) -> dict:
+    """How bf16 rows widen (codegen.rowvec): interleaving with zeros (shuffle) is one permute per
+    register with AVX-512BW, but AVX2's 16-bit unpacks stay within 128-bit halves, so a row needs
+    cross-lane fixes (2-3x slower at D=128 on Zen 3); zero-extending loads (shift) need none."""
+    return {"scheme": "shuffle" if target_isa() == "avx512" else "shift"}
 
 
 def shape_class(problem) -> str:

@@ -36,6 +36,7 @@ from ._knobs import (
     problems,
     quick_class,
     shape_class,
+    widen_heuristic,
 )
 from ._rows import add_row, bag_end, d_class, madd_row, num_threads, prefetch_distance, prefetch_row, straddles
 from ._validate import check_bag_args, check_bags, check_table, raise_bag_error, validate_bags
@@ -211,7 +212,7 @@ PARALLEL = knob("embedding.parallel.forward", doc="work (nnz * D) up to which th
                 heuristic=_parallel_heuristic, shape_class=shape_class, quick_class=quick_class, problems=problems,
                 search=_parallel_search)
 WIDEN = knob("embedding.bf16.widen.forward", doc="how the forward widens bf16 rows to fp32 (codegen.rowvec)",
-             heuristic=lambda p: {"scheme": "shuffle"}, shape_class=shape_class, quick_class=quick_class,
+             heuristic=widen_heuristic, shape_class=shape_class, quick_class=quick_class,
              problems=lambda w: problems(w, itemsizes=(2,)),
              candidates=lambda p, quick: [{"scheme": s} for s in WIDEN_SCHEMES],
              runner=lambda p, params: _timed(p, PREFETCH.choose(p), params))

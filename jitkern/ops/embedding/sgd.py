@@ -33,6 +33,7 @@ from ._knobs import (
     problems,
     quick_class,
     shape_class,
+    widen_heuristic,
 )
 from ._rows import (
     GOLDEN,
@@ -269,7 +270,7 @@ PARALLEL = knob("embedding.parallel.sgd",
                 heuristic=lambda p: {"min_work": PARALLEL_MIN_WORK, "min_table": PARALLEL_MIN_TABLE},
                 shape_class=shape_class, quick_class=quick_class, problems=problems, search=_parallel_search)
 WIDEN = knob("embedding.bf16.widen.sgd", doc="how the Split-SGD joins and splits the bf16 halves (codegen.rowvec)",
-             heuristic=lambda p: {"scheme": "shuffle"}, shape_class=shape_class, quick_class=quick_class,
+             heuristic=widen_heuristic, shape_class=shape_class, quick_class=quick_class,
              problems=lambda w: problems(w, itemsizes=(2,)),
              candidates=lambda p, quick: [{"scheme": s} for s in WIDEN_SCHEMES],
              runner=lambda p, params: _timed(p, PREFETCH.choose(p), params))
