@@ -280,5 +280,26 @@ def test_measured_dense_stages_are_medians_with_their_spread():
     rounds = [{"8": {"top_fwd": t, "loss": 1.0, "sd": s}} for t, s in ((3.0, 0.1), (1.0, 0.3), (2.0, 0.2))]
     both = _combine_dense(rounds)
     assert list(both) == [8] and dict(both[8]) == {"top_fwd": 2.0, "loss": 1.0} and both[8].sd == 0.2
-    # the slices the model needs: weak (the per-rank batch) and strong (the global batch's largest slice)
-    assert _dense_rows([1, 2, 3], 2048) == [683, 1024, 2048]
+    # and over the copies of one round: 2 ranks' copies of 2 rounds
+    copies = _combine_dense([{"8": {"top_fwd": t, "sd": 0.0}} for t in (1.0, 2.0, 4.0, 3.0)])
+    assert copies[8]["top_fwd"] == 2.5
+    # the slices the model needs on P ranks: weak (the per-rank batch) and strong (the global
+    # batch's largest slice)
+    assert _dense_rows([1, 2, 3], 2048) == {1: [2048], 2: [1024, 2048], 3: [683, 2048]}
+
+
+def test_ranks_sharing_a_machine_are_predicted_from_stages_timed_side_by_side():
+    from jitkern.dlrm.calibration import DenseStages
+    from jitkern.dlrm.scale import measure_and_predict
+    cfg = CONFIGS["kaggle"]
+    stages = {b: DenseStages(dense_estimate(cfg.bottom, [cfg.dim + 351] + list(cfg.top), b)) for b in (1024, 2048)}
+    for st in stages.values():
+        st.sd = 0.0
+    slower = DenseStages({k: 1.5 * v for k, v in stages[1024].items()})
+    slower.sd = 0.0
+    kw = dict(bandwidth_gbs=10.0, latency_us=1.0, per_rank_batch=2048, kinds="column", rates=Rates(),
+              log=lambda *a: None)
+    alone = measure_and_predict(cfg, [1, 2], "strong", dense_at=stages, **kw)
+    paired = measure_and_predict(cfg, [1, 2], "strong", dense_at={**stages, (2, 1024): slower}, **kw)
+    assert paired[0].step == alone[0].step  # one process: the stages timed alone
+    assert paired[1].compute - alone[1].compute == pytest.approx(0.5 * sum(stages[1024].values()))

@@ -97,15 +97,16 @@ def dense_worker(args) -> int:
     return 0
 
 
-def _dense_rows(ranks, batch: int) -> list:
-    """The per-rank batch slices the model needs dense stages at: weak (batch per rank) and strong
-    (the largest of the global batch's P slices), for each P."""
+def _dense_rows(ranks, batch: int) -> dict:
+    """{P: the per-rank batch slices the model needs dense stages at on P ranks}: weak (the batch per
+    rank) and strong (the largest of the global batch's P slices)."""
     from ..dlrm.placement import batch_slices
-    return sorted({max(hi - lo for lo, hi in batch_slices(b, p)) for p in ranks for b in (batch * p, batch)})
+    return {p: sorted({max(hi - lo for lo, hi in batch_slices(b, p)) for b in (batch * p, batch)}) for p in ranks}
 
 
 def _combine_dense(results: list) -> dict:
-    """Rounds of dense_worker output -> {rows: DenseStages}: each stage's (and sd's) median over rounds."""
+    """dense_worker outputs (rounds, and each copy of a round) -> {rows: DenseStages}: each stage's
+    (and sd's) median over them."""
     from ..dlrm.calibration import DenseStages
 
     out = {}
@@ -129,7 +130,8 @@ def _combine(results: list) -> dict:
     return mid
 
 
-def _launch(config, ranks, batch, steps, warmup, timeout, sharding, extra=()):
+def _launch(config, ranks, batch, steps, warmup, timeout, sharding, extra=(), every_rank=False):
+    """Run the worker on `ranks` processes -> its last JSON line (every_rank: each process's line)."""
     cmd = WORKER + ["--config", config, "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup),
                     "--sharding", sharding, *extra]
     if ranks > 1:
@@ -141,7 +143,8 @@ def _launch(config, ranks, batch, steps, warmup, timeout, sharding, extra=()):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in lines] if every_rank else json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _parse(argv):
@@ -173,7 +176,7 @@ def _parse(argv):
 
 def _run_rounds(name, ranks, args) -> tuple:
     """-> ({(sharding, P, global batch): the combined result of its launches (the one-process run's
-    sharding is None)}, {rows: the model's dense stages}). Every measurement is its own launch, in
+    sharding is None)}, {(P, rows): the model's dense stages on P ranks}). Every measurement is its own launch, in
     turn with the others, so each sees the machine as the others did around it, and no process
     holds more than the model it times."""
     cores = os.cpu_count() or 1
@@ -182,10 +185,14 @@ def _run_rounds(name, ranks, args) -> tuple:
                                                  for sh in shardings for p in ranks if p > 1
                                                  for mode in ("weak", "strong")})
     results = {key: [] for key in launches}
-    dense, dense_rows = [], ",".join(map(str, _dense_rows(ranks, args.batch)))
+    need = _dense_rows(ranks, args.batch)
+    dense = {p: [] for p in need}
     for _ in range(args.rounds):
-        # the model's dense stages, measured in each round as the runs are: the machine's speed drifts
-        dense.append(_launch(name, 1, args.batch, 5, 0, args.timeout, "auto", ("--dense-rows", dense_rows)))
+        # the model's dense stages, measured in each round as the runs are (the machine's speed drifts),
+        # by as many copies at once as P ranks put on this machine: they share its L3 and memory
+        for p, rows in need.items():
+            dense[p] += _launch(name, min(p, cores), args.batch, 5, 0, args.timeout, "auto",
+                                ("--dense-rows", ",".join(map(str, rows))), every_rank=True)
         for sh, p, batch in launches:
             over = p > cores
             if over and results[(sh, p, batch)]:
@@ -193,7 +200,8 @@ def _run_rounds(name, ranks, args) -> tuple:
             results[(sh, p, batch)].append(_launch(name, p, batch, 2 if over else args.steps,
                                                    min(args.warmup, 2) if over else args.warmup, args.timeout,
                                                    sh or "auto"))
-    return {key: _combine(r) for key, r in results.items()}, _combine_dense(dense)
+    return ({key: _combine(r) for key, r in results.items()},
+            {(p, rows): st for p, r in dense.items() for rows, st in _combine_dense(r).items()})
 
 
 def _scaling_rows(name, ranks, runs, link, args, rates, dense_at) -> list:

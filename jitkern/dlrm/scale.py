@@ -112,7 +112,8 @@ def measure_and_predict(cfg: ModelConfig, ranks_list, mode: str, *, bandwidth_gb
     """Predictions for each P in ranks_list (mode 'weak': per-rank batch fixed, 'strong': global
     fixed) of the plan made with `kinds` ("auto": the planner; or a kind for every table);
     offload: costmodel.Network.offload (False: the ranks share this machine's memory); dense_at:
-    {rows: DenseStages} measured already (rows not in it are measured here)."""
+    {rows: DenseStages} measured already (rows not in it are measured here); a (P, rows) key, measured
+    with P copies running at once as P ranks sharing one machine do, serves P before a rows key."""
     rates = rates or measured_rates()
     network = Network(bandwidth_gbs, latency_us, offload=offload)
     dense_at, preds = dict(dense_at or {}), []
@@ -120,13 +121,14 @@ def measure_and_predict(cfg: ModelConfig, ranks_list, mode: str, *, bandwidth_gb
         batch = per_rank_batch * p if mode == "weak" else per_rank_batch
         b = max(hi - lo for lo, hi in batch_slices(batch, p))
         log(f"  measuring {mode} P={p}: dense stages at {b} rows, table pieces at {batch} samples ...")
-        if b not in dense_at:
-            dense_at[b] = measure_dense(cfg, b, reps)
+        key = (p, b) if (p, b) in dense_at else b
+        if key not in dense_at:
+            dense_at[key] = measure_dense(cfg, b, reps)
         if p == 1:
-            preds.append(one_process(cfg, batch, dense_at[b], rates))
+            preds.append(one_process(cfg, batch, dense_at[key], rates))
             continue
-        plan = make_plan(cfg, p, batch, kinds=kinds, dense=dense_at[b], rates=rates, network=network)
-        preds.append(predict_plan(kinds, plan, cfg, batch, dense_at[b], rates, network))
+        plan = make_plan(cfg, p, batch, kinds=kinds, dense=dense_at[key], rates=rates, network=network)
+        preds.append(predict_plan(kinds, plan, cfg, batch, dense_at[key], rates, network))
     return preds
 
 
