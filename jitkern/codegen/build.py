@@ -37,13 +37,17 @@ def kernel_factory(op: str):
     return register
 
 
-def jit(*, parallel: bool = False, fastmath=FASTMATH, inline: str = "never"):
+def jit(*, parallel: bool = False, fastmath=FASTMATH, inline: str = "never", nrt: bool = True):
     """numba.njit with jitkern's defaults: on-disk cache (unless disabled; stamped by every kernel
-    source file, see cache.py), nogil, no bounds checks."""
+    source file, see cache.py), nogil, no bounds checks. nrt=False compiles without numba's
+    runtime: the function may allocate nothing, and its loops then carry no reference counts
+    (atomic calls numba emits for arrays handed to inlined helpers, which it does not always
+    prune)."""
     cache.install()
     disk = get_config().disk_cache
+    extra = {} if nrt else {"_nrt": False}
     decorate = numba.njit(cache=disk, parallel=parallel, fastmath=set(fastmath), nogil=True,
-                          error_model="numpy", boundscheck=False, inline=inline)
+                          error_model="numpy", boundscheck=False, inline=inline, **extra)
 
     def build(fn):
         disp = decorate(fn)

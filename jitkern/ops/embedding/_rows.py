@@ -121,12 +121,13 @@ def bag_end(offsets, b, nbags, nnz, last):
 
 
 @jit(inline="always")
-def entry_scale(bags, j, b, nbags):
-    """Entry j's weight in bag b's gradient: its per-sample weight, over the bag size for mean."""
-    indices, offsets, psw, mean, last = bags
+def entry_scale(psw, j, mean, size):
+    """Entry j's weight in its bag's gradient: its per-sample weight (psw: empty if none), over the
+    bag's size for mean. Takes the bags' fields, never the tuple: unpacking a tuple of arrays in
+    a loop costs NRT reference counts (atomic calls) per entry."""
     sc = psw[j] if psw.shape[0] > 0 else np.float32(1.0)
     if mean:
-        sc = sc * (np.float32(1.0) / np.float32(bag_end(offsets, b, nbags, indices.shape[0], last) - offsets[b]))
+        sc = sc * (np.float32(1.0) / np.float32(size))
     return sc
 
 

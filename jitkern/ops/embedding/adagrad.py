@@ -45,6 +45,7 @@ from ._rows import (
     L2,
     adagrad_exact_row,
     adagrad_row,
+    bag_end,
     d_class,
     entry_scale,
     madd_row,
@@ -86,7 +87,7 @@ def _walker(DC, PF, listed, exact=False):
 
     @jit(inline="always")
     def loop(heads, j0, unit, scaled, bags, dout, lr, eps, target, scratch):
-        indices = bags[0]
+        indices, offsets, psw, mean, last = bags  # once: see entry_scale
         table, state = target
         nbags, n = dout.shape[0], indices.shape[0]
         D = DC if DC else dout.shape[1]
@@ -106,7 +107,7 @@ def _walker(DC, PF, listed, exact=False):
                 first = True
                 while k >= 0:  # the list, in ascending position; most lists have one entry
                     b = k if unit else ebag[k]
-                    sc = entry_scale(bags, k, b, nbags) if scaled else one
+                    sc = entry_scale(psw, k, mean, bag_end(offsets, b, nbags, n, last) - offsets[b]) if scaled else one
                     madd_row(acc, 0, dout, b, sc, D, DC, first)
                     first = False
                     k = nxt[k]

@@ -42,7 +42,6 @@ from ._rows import add_row, bag_end, d_class, madd_row, num_threads, prefetch_di
 from ._validate import check_bag_args, check_bags, check_table, raise_bag_error, validate_bags
 
 SERIAL_WORK = 1 << 14  # nnz * D up to which a call runs on the calling thread even with several threads
-WIDE_ROWS = 64         # wider rows run the parallel-compiled kernel even on one thread (see _parallel_heuristic)
 _CHUNKS = 64           # bag chunks of the parallel forward
 # strict IEEE (no contraction of a multiply and an add into an FMA): whether LLVM contracts depends
 # on the ISA and the widening scheme, and the pooled sums' last bits would with it
@@ -57,9 +56,10 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM):
     and locality LOC, bf16 widening scheme SCHEME and ITEM bytes per table element."""
 
     @jit(inline="always", fastmath=_STRICT)
-    def pool_bag(acc, weight, bags, s, e, D, weighted):
-        """acc[0] = sum of psw[j] * weight[indices[j]] over j in [s, e), prefetching PF entries ahead."""
-        indices, psw = bags[0], bags[2]
+    def pool_bag(acc, weight, indices, psw, s, e, D, weighted):
+        """acc[0] = sum of psw[j] * weight[indices[j]] over j in [s, e), prefetching PF entries ahead.
+        Takes the arrays, not the bags tuple: unpacking a tuple here costs NRT reference counts
+        (atomic calls) per bag, 2-7x the whole gather at pooling 1 in serially compiled code."""
         far = np.uint64(indices.shape[0] - 1)
         tail = straddles(weight, D * ITEM)
         for j in range(s, e):
@@ -77,9 +77,9 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM):
         for b in range(b0, b1):
             s, e = offsets[b], bag_end(offsets, b, nbags, nnz, last)
             if psw.shape[0] > 0:  # two copies of the row loop, so the common unweighted one has no per-row test
-                pool_bag(acc, weight, bags, s, e, D, True)
+                pool_bag(acc, weight, indices, psw, s, e, D, True)
             else:
-                pool_bag(acc, weight, bags, s, e, D, False)
+                pool_bag(acc, weight, indices, psw, s, e, D, False)
             if e > s:
                 inv = np.float32(1.0) / np.float32(e - s) if mean else np.float32(1.0)
                 madd_row(out, b, acc, 0, inv, D, DC, True)
@@ -104,8 +104,8 @@ def _parallel_kernel(pool):
     return forward
 
 
-def _serial_kernel(pool):
-    @jit(fastmath=_STRICT)
+def _serial_kernel(pool, DC):
+    @jit(fastmath=_STRICT, nrt=not DC)  # the vector kernels allocate nothing (see codegen.build.jit)
     def pool_all(weight, bags, out):
         pool(weight, bags, out, 0, out.shape[0])
 
@@ -124,7 +124,7 @@ def _serial_kernel(pool):
 def _forward_factory(spec):
     pool = _pooler(spec["D"], spec["pf"], HINTS[spec["hint"]], WIDEN_SCHEMES[spec["widen"]],
                    2 if spec["bf16"] else 4)  # bytes per table element: a constant, so prefetch loops unroll
-    return _serial_kernel(pool) if spec["serial"] else _parallel_kernel(pool)
+    return _serial_kernel(pool, spec["D"]) if spec["serial"] else _parallel_kernel(pool)
 
 
 def _spec(dim, bf16, serial, prefetch, widen) -> KernelSpec:
@@ -171,12 +171,9 @@ def _timed(problem, prefetch, widen):
 
 
 def _parallel_heuristic(problem):
-    """Rows up to WIDE_ROWS wide: on the calling thread up to SERIAL_WORK (starting threads costs
-    more), or always with one thread. Wider rows take the parallel kernel even on one thread:
-    serially compiled, their gather is slower (numba marks a parallel body's arrays noalias)."""
-    _, dim, _, _, _, threads = problem
-    if dim > WIDE_ROWS:
-        return {"serial_max_work": -1}
+    """On the calling thread up to SERIAL_WORK (starting threads costs more than a small call), or
+    always with one thread."""
+    threads = problem[5]
     return {"serial_max_work": NEVER if threads == 1 else SERIAL_WORK}
 
 

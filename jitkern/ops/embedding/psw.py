@@ -19,9 +19,8 @@ _CHUNKS = 64                   # bag chunks spread over the threads
 
 
 @jit(inline="always")
-def _bag_dots(weight, bags, dout, b, nbags, out):
-    """out[j] for the entries j of bag b."""
-    indices, offsets, _, mean, last = bags
+def _bag_dots(weight, indices, offsets, mean, last, dout, b, nbags, out):
+    """out[j] for the entries j of bag b (the bags' fields, not the tuple: see entry_scale)."""
     s, e = offsets[b], bag_end(offsets, b, nbags, indices.shape[0], last)
     scale = 1.0 / (e - s) if (mean and e > s) else 1.0
     for j in range(s, e):
@@ -41,10 +40,11 @@ def _psw_factory(spec):
         code, pos, val = validate_bags(bags, nbags, weight.shape[0])
         if code:
             return code, pos, val
+        indices, offsets, _, mean, last = bags
         step = (nbags + chunks - 1) // max(chunks, 1)
         for c in prange(chunks):
             for b in range(c * step, min(nbags, (c + 1) * step)):
-                _bag_dots(weight, bags, dout, b, nbags, out)
+                _bag_dots(weight, indices, offsets, mean, last, dout, b, nbags, out)
         return 0, 0, 0
     return psw_backward
 

@@ -110,16 +110,17 @@ def _loops(DC, PF, BF16, SCHEME, scaled):
             sgd_row(target[0], r, g, a, lr, D, DC)
 
     @jit(inline="always")
-    def apply_entry(target, r, j, b, bags, dout, lr, acc, D):
+    def apply_entry(target, r, j, b, offsets, psw, mean, last, n, dout, lr, acc, D):
+        # the bags' fields, unpacked by the caller once (see entry_scale)
         if scaled:  # g = scale * dout[b], rounded once, as the reference computes it
-            madd_row(acc, 0, dout, b, entry_scale(bags, j, b, dout.shape[0]), D, DC, True)
+            madd_row(acc, 0, dout, b, entry_scale(psw, j, mean, bag_end(offsets, b, dout.shape[0], n, last) - offsets[b]), D, DC, True)
             update_row(target, r, acc, 0, lr, D)
         else:
             update_row(target, r, dout, b, lr, D)
 
     @jit(fastmath=frozenset())  # strict IEEE: bit-identical to the reference's np.add.at
     def serial(bags, dout, lr, target):
-        indices, offsets, _, _, last = bags
+        indices, offsets, psw, mean, last = bags
         nbags, n = dout.shape[0], indices.shape[0]
         D = DC if DC else dout.shape[1]
         acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
@@ -129,13 +130,13 @@ def _loops(DC, PF, BF16, SCHEME, scaled):
             for j in range(offsets[b], bag_end(offsets, b, nbags, n, last)):
                 u = np.uint64(j)  # validated, non-negative: unsigned indexing skips wraparound code
                 prefetch_rows(target, indices[min(u + np.uint64(PF), far)], D, tails)
-                apply_entry(target, indices[u], j, b, bags, dout, lr, acc, D)
+                apply_entry(target, indices[u], j, b, offsets, psw, mean, last, n, dout, lr, acc, D)
 
     @jit(fastmath=frozenset())
     def owned(t, nparts, bags, dout, lr, target, scratch):
         # part t: list its entries, then apply them, prefetching rows PF listed entries ahead.
         # Every part reads all entries: one parallel region.
-        indices = bags[0]
+        indices, offsets, psw, mean, last = bags
         n = indices.shape[0]
         D = DC if DC else dout.shape[1]
         mine = scratch[t * n:(t + 1) * n]
@@ -146,7 +147,7 @@ def _loops(DC, PF, BF16, SCHEME, scaled):
             if i + PF < m:
                 prefetch_rows(target, indices[mine[i + PF] & LO32], D, tails)
             j = mine[i] & LO32
-            apply_entry(target, indices[j], j, mine[i] >> 32, bags, dout, lr, acc, D)
+            apply_entry(target, indices[j], j, mine[i] >> 32, offsets, psw, mean, last, n, dout, lr, acc, D)
     return serial, owned
 
 
