@@ -121,6 +121,11 @@ def bag_end(offsets, b, nbags, nnz, last):
 
 
 @jit(inline="always")
+def bag_size(offsets, b, nbags, nnz, last):
+    return bag_end(offsets, b, nbags, nnz, last) - offsets[b]
+
+
+@jit(inline="always")
 def entry_scale(psw, j, mean, size):
     """Entry j's weight in its bag's gradient: its per-sample weight (psw: empty if none), over the
     bag's size for mean. Takes the bags' fields, never the tuple: unpacking a tuple of arrays in

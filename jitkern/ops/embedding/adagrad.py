@@ -45,7 +45,7 @@ from ._rows import (
     L2,
     adagrad_exact_row,
     adagrad_row,
-    bag_end,
+    bag_size,
     d_class,
     entry_scale,
     madd_row,
@@ -107,7 +107,7 @@ def _walker(DC, PF, listed, exact=False):
                 first = True
                 while k >= 0:  # the list, in ascending position; most lists have one entry
                     b = k if unit else ebag[k]
-                    sc = entry_scale(psw, k, mean, bag_end(offsets, b, nbags, n, last) - offsets[b]) if scaled else one
+                    sc = entry_scale(psw, k, mean, bag_size(offsets, b, nbags, n, last)) if scaled else one
                     madd_row(acc, 0, dout, b, sc, D, DC, first)
                     first = False
                     k = nxt[k]

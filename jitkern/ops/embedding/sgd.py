@@ -40,6 +40,7 @@ from ._rows import (
     L2,
     LO32,
     bag_end,
+    bag_size,
     d_class,
     entry_scale,
     madd_row,
@@ -113,7 +114,8 @@ def _loops(DC, PF, BF16, SCHEME, scaled):
     def apply_entry(target, r, j, b, offsets, psw, mean, last, n, dout, lr, acc, D):
         # the bags' fields, unpacked by the caller once (see entry_scale)
         if scaled:  # g = scale * dout[b], rounded once, as the reference computes it
-            madd_row(acc, 0, dout, b, entry_scale(psw, j, mean, bag_end(offsets, b, dout.shape[0], n, last) - offsets[b]), D, DC, True)
+            sc = entry_scale(psw, j, mean, bag_size(offsets, b, dout.shape[0], n, last))
+            madd_row(acc, 0, dout, b, sc, D, DC, True)
             update_row(target, r, acc, 0, lr, D)
         else:
             update_row(target, r, dout, b, lr, D)
