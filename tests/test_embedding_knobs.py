@@ -95,19 +95,39 @@ def test_heuristics_are_the_choices_before_knobs():
     assert sgd.PARALLEL.heuristic(p(64, threads=2)) == {"min_work": 1 << 16, "min_table": 16 << 20}
     assert adagrad.PREFETCH.heuristic(p(64)) == {"distance": 32, "link": 32}
     assert adagrad.PARALLEL.heuristic(p(64, threads=2)) == {"min_nnz": 8192}
-    assert forward.WIDEN.heuristic(p(64, 2)) == sgd.WIDEN.heuristic(p(64, 2)) == _knobs.widen_heuristic(p(64, 2))
+    assert forward.WIDEN.heuristic(p(64, 2)) == _knobs.widen_heuristic(p(64, 2))
+    assert sgd.WIDEN.heuristic(p(64, 2)) == _knobs.split_heuristic(p(64, 2))
     assert {k for k in knobs.registered() if k.startswith("embedding.")} == {
         "embedding.forward.prefetch", "embedding.update.prefetch.sgd", "embedding.update.prefetch.adagrad",
         "embedding.parallel.forward", "embedding.parallel.sgd", "embedding.parallel.adagrad",
         "embedding.bf16.widen.forward", "embedding.bf16.widen.sgd", "embedding.quantized.prefetch"}
 
 
-@pytest.mark.parametrize("isa, scheme", [("avx512", "shuffle"), ("avx2", "shift"), ("scalar", "shift")])
-def test_bf16_rows_widen_by_a_cross_lane_shuffle_only_with_avx512(isa, scheme, monkeypatch):
-    # a choice, no kernel: any ISA can be posed on any host
+@pytest.mark.parametrize("isa, scheme, split", [("avx512", "shuffle", "shuffle"), ("avx2", "shift", "unpack8"),
+                                                ("scalar", "shift", "shift")])
+def test_bf16_rows_widen_by_a_cross_lane_shuffle_only_with_avx512(isa, scheme, split, monkeypatch):
+    # a choice, no kernel: any ISA can be posed on any host. AVX2's Split-SGD keeps its 16-bit
+    # unpacks within 128-bit lanes and permutes dout's row to match instead
     monkeypatch.setattr(_knobs, "target_isa", lambda: isa)
     problem = (1 << 20, 128, 20, 2048, 2, 1)
-    assert forward.WIDEN.heuristic(problem) == sgd.WIDEN.heuristic(problem) == {"scheme": scheme}
+    assert forward.WIDEN.heuristic(problem) == {"scheme": scheme}
+    assert sgd.WIDEN.heuristic(problem) == {"scheme": split}
+
+
+@pytest.mark.parametrize("dim", [16, 32, 128])
+def test_every_split_scheme_is_exact_fp32_sgd_at_every_width(dim, db, one_thread):
+    """The lane-order schemes permute dout's row and undo the permutation on the split: at every
+    specialised width (D=64 is the candidates' test below; UNPACK16 at D=16 uses 8-float vectors),
+    against the reference fp32 update bit for bit."""
+    w, idx, off, dout, psw = _batch(3, dim=dim, weighted=True)
+    ref_w = w.copy()
+    reference.embedding_bag_sgd_(ref_w, idx, off, dout, 0.1, per_sample_weights=psw)
+    problem = (ROWS, dim, POOLING, BATCH, 2, 1)
+    for params in sgd.WIDEN.candidates(problem, False):
+        tunedb.store(sgd.WIDEN.name, sgd.WIDEN.shape_class(problem), params)
+        table = SplitBF16Table.from_float32(w)
+        embedding_bag_sgd_(table, idx, off, dout, 0.1, per_sample_weights=psw)
+        np.testing.assert_array_equal(table.to_float32().view(np.uint32), ref_w.view(np.uint32), err_msg=str(params))
 
 
 @pytest.mark.parametrize("name, bf16", [("embedding.forward.prefetch", False), ("embedding.update.prefetch.sgd", False),

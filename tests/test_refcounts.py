@@ -53,7 +53,7 @@ def test_scaled_sgd_loop_counts_no_references(uncached, bf16):
         target = (np.zeros((rows, 64), np.float32), np.empty((0, 64), np.float32))
     bags = _bags(rows, 20, 4, True)
     dout = np.ones((20, 64), np.float32)
-    serial(bags, dout, np.float32(0.5), target)
+    serial(bags, dout, np.float32(0.5), target, np.empty(0, np.float32))
     if not bf16:  # each entry of a bag of 4 adds -0.5 * 1 / 4
         np.testing.assert_allclose(target[0].sum(), -0.125 * 20 * 4 * 64)
     code = _entry_asm(serial)

@@ -5,7 +5,9 @@ promotes to vector registers, and each row is added by one <D x float> operation
 array would be kept in memory: LLVM cannot prove it does not alias the table). Rows may be
 float32 or bf16 bits (uint16, moved into the high half on load by a widening scheme, a
 compile-time constant: SHUFFLE interleaves the bits with zeros, SHIFT zero-extends and shifts;
-the same bits either way, the faster depends on the CPU's shuffle and extend units).
+the same bits either way, the faster depends on the CPU's shuffle and extend units). The
+Split-SGD update may also keep rows in lane order (UNPACK<w>: see lane_order), its fp32
+operand permuted to match by row_to_lanes.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from numba.extending import intrinsic
 _F32 = ir.FloatType()
 SHUFFLE, SHIFT = 0, 1                      # bf16 widening schemes
 WIDEN_SCHEMES = {"shuffle": SHUFFLE, "shift": SHIFT}
+# Split-SGD schemes beyond those: UNPACK<w> joins the halves with 16-bit unpacks within 128-bit
+# lanes and splits them with 32->16-bit packs, which undo each other, on vectors of w floats
+SPLIT_SCHEMES = {**WIDEN_SCHEMES, "unpack8": 8, "unpack16": 16}
 
 
 @intrinsic
@@ -57,8 +62,42 @@ def _load_row(builder, ptr, dtype, n, scheme=SHUFFLE):
     return builder.load(builder.bitcast(ptr, ir.VectorType(_F32, n).as_pointer()), align=4)
 
 
+def lane_width(n: int, width: int) -> int:
+    """The vector width an UNPACK<width> row of n uses: the widest that pairs of vectors tile (0:
+    none, the row is not made of whole 128-bit lanes; such rows join and split by SHIFT)."""
+    while width > 4 and n % (2 * width):
+        width //= 2
+    return width if n % (2 * width) == 0 else 0
+
+
+def in_lanes(n: int, scheme: int) -> bool:
+    """Whether Split-SGD scheme `scheme` keeps rows of n in lane order (else: row order, SHIFT's
+    or SHUFFLE's way)."""
+    return scheme not in (SHUFFLE, SHIFT) and n > 0 and lane_width(n, scheme) > 0
+
+
+def lane_order(n: int, width: int) -> list:
+    """The element of a row of n that position p of an UNPACK<width> joined row holds.
+
+    A 16-bit unpack of two vectors of `width` halves interleaves them within each 128-bit lane:
+    of every 2 * width elements, the low unpack holds the even groups of 4 and the high one the
+    odd groups. The 32->16-bit pack of those two vectors restores row order, so only the fp32
+    operand is permuted to match."""
+    width = lane_width(n, width)
+    order = []
+    for c in range(0, n, 2 * width):
+        for half in (0, 1):
+            order += [c + 4 * (2 * (r // 4) + half) + r % 4 for r in range(width)]
+    return order
+
+
 def _join_halves(builder, lo, hi, n, scheme):
-    """<n x i32> (hi << 16) | lo from two <n x i16> vectors."""
+    """<n x i32> (hi << 16) | lo from two <n x i16> vectors (UNPACK<w>: in lane_order)."""
+    if scheme not in (SHUFFLE, SHIFT):
+        order = lane_order(n, scheme)
+        lanes = ir.VectorType(ir.IntType(32), 2 * n)
+        both = builder.shuffle_vector(lo, hi, ir.Constant(lanes, [v for e in order for v in (e, n + e)]))
+        return builder.bitcast(both, ir.VectorType(ir.IntType(32), n))
     if scheme == SHIFT:
         i32v = ir.VectorType(ir.IntType(32), n)
         high = builder.shl(builder.zext(hi, i32v), ir.Constant(i32v, [16] * n))
@@ -69,8 +108,17 @@ def _join_halves(builder, lo, hi, n, scheme):
 
 
 def _split_halves(builder, bits, n, scheme):
-    """(hi, lo) <n x i16> halves of <n x i32> bits."""
+    """(hi, lo) <n x i16> halves of <n x i32> bits (UNPACK<w>: bits in lane_order, halves in row order)."""
     i16v = ir.VectorType(ir.IntType(16), n)
+    if scheme not in (SHUFFLE, SHIFT):
+        i32v = ir.VectorType(ir.IntType(32), n)
+        where = {e: p for p, e in enumerate(lane_order(n, scheme))}
+        mask = ir.Constant(ir.VectorType(ir.IntType(32), n), [2 * where[e] for e in range(n)])
+        # zero upper halves, then the low words: the pattern of an unsigned-saturating pack
+        halves = [builder.bitcast(v, ir.VectorType(ir.IntType(16), 2 * n))
+                  for v in (builder.lshr(bits, ir.Constant(i32v, [16] * n)),
+                            builder.and_(bits, ir.Constant(i32v, [0xFFFF] * n)))]
+        return tuple(builder.shuffle_vector(h, h, mask) for h in halves)
     if scheme == SHIFT:
         i32v = ir.VectorType(ir.IntType(32), n)
         return builder.trunc(builder.lshr(bits, ir.Constant(i32v, [16] * n)), i16v), builder.trunc(bits, i16v)
@@ -80,9 +128,9 @@ def _split_halves(builder, bits, n, scheme):
             builder.shuffle_vector(lanes, lanes, ir.Constant(halves, [2 * k for k in range(n)])))
 
 
-def _scheme(widen):
-    """The widening scheme of a compile-time `widen` argument, or None if it is not one."""
-    if isinstance(widen, types.IntegerLiteral) and widen.literal_value in WIDEN_SCHEMES.values():
+def _scheme(widen, schemes=WIDEN_SCHEMES):
+    """The scheme of a compile-time `widen` argument, or None if it is not one of `schemes`."""
+    if isinstance(widen, types.IntegerLiteral) and widen.literal_value in schemes.values():
         return widen.literal_value
     return None
 
@@ -132,30 +180,68 @@ def row_split_axpy(typingctx, hi, lo, i, src, j, scale, n, widen):
     """BF16 Split-SGD on one row: w = the float32 whose halves are hi[i, :n] and lo[i, :n];
     w += scale * src[j, :n] (plain IEEE mul and add); hi[i], lo[i] = w's halves again. All as
     <n x ...> vector operations; n and the scheme joining and splitting the halves (`widen`)
-    compile-time constants."""
+    compile-time constants. With an UNPACK scheme src[j] is in lane order (row_to_lanes): the
+    caller permutes each source row once, not once per update it feeds."""
     if not (isinstance(n, types.IntegerLiteral) and _is_table(hi, (types.uint16,)) and _is_table(lo, (types.uint16,))
             and _is_table(src, (types.float32,)) and isinstance(scale, (types.Float, types.Integer))
-            and _scheme(widen) is not None):
+            and _scheme(widen, SPLIT_SCHEMES) is not None):
         return None
-    size, scheme = n.literal_value, _scheme(widen)
+    size, scheme = n.literal_value, _scheme(widen, SPLIT_SCHEMES)
+    if not in_lanes(size, scheme) and scheme not in (SHUFFLE, SHIFT):
+        scheme = SHIFT
+    # UNPACK<w> works one pair of vectors at a time, stored before the next is loaded: a whole
+    # row's operands at once would not fit in the registers
+    chunk = size if scheme in (SHUFFLE, SHIFT) else 2 * lane_width(size, scheme)
 
     def codegen(context, builder, sig, args):
         if size == 0:  # the generic kernel's never-taken branch
             return context.get_dummy_value()
         hity, loty, ity, srcty, jty, sty = sig.args[:6]
-        i16v = ir.VectorType(ir.IntType(16), size)
-        hptr = builder.bitcast(_row_ptr(context, builder, hity, args[0], ity, args[2]), i16v.as_pointer())
-        lptr = builder.bitcast(_row_ptr(context, builder, loty, args[1], ity, args[2]), i16v.as_pointer())
-        joined = _join_halves(builder, builder.load(lptr, align=2), builder.load(hptr, align=2), size, scheme)
-        step = builder.fmul(_load_row(builder, _row_ptr(context, builder, srcty, args[3], jty, args[4]), types.float32,
-                                      size), _splat(context, builder, args[5], sty, size))
-        out = builder.bitcast(builder.fadd(builder.bitcast(joined, ir.VectorType(_F32, size)), step),
-                              ir.VectorType(ir.IntType(32), size))
-        new_hi, new_lo = _split_halves(builder, out, size, scheme)
-        builder.store(new_hi, hptr, align=2)
-        builder.store(new_lo, lptr, align=2)
+        i16p, f32p = ir.IntType(16).as_pointer(), _F32.as_pointer()
+        hrow = builder.bitcast(_row_ptr(context, builder, hity, args[0], ity, args[2]), i16p)
+        lrow = builder.bitcast(_row_ptr(context, builder, loty, args[1], ity, args[2]), i16p)
+        srow = builder.bitcast(_row_ptr(context, builder, srcty, args[3], jty, args[4]), f32p)
+        scale = _splat(context, builder, args[5], sty, chunk)
+        i16v = ir.VectorType(ir.IntType(16), chunk).as_pointer()
+        for c in range(0, size, chunk):
+            at = ir.Constant(ir.IntType(64), c)
+            hptr, lptr = (builder.bitcast(builder.gep(row, [at]), i16v) for row in (hrow, lrow))
+            joined = _join_halves(builder, builder.load(lptr, align=2), builder.load(hptr, align=2), chunk, scheme)
+            src = _load_row(builder, builder.gep(srow, [at]), types.float32, chunk)
+            out = builder.bitcast(builder.fadd(builder.bitcast(joined, ir.VectorType(_F32, chunk)),
+                                               builder.fmul(src, scale)), ir.VectorType(ir.IntType(32), chunk))
+            new_hi, new_lo = _split_halves(builder, out, chunk, scheme)
+            builder.store(new_hi, hptr, align=2)
+            builder.store(new_lo, lptr, align=2)
         return context.get_dummy_value()
     return types.none(hi, lo, i, src, j, scale, n, widen), codegen
+
+
+@intrinsic
+def row_to_lanes(typingctx, dst, i, src, j, n, widen):
+    """dst[i, :n] = src[j, :n] in the lane order of Split-SGD scheme `widen` (unchanged for SHUFFLE
+    and SHIFT); n and widen compile-time constants."""
+    if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,))
+            and _is_table(src, (types.float32,)) and _scheme(widen, SPLIT_SCHEMES) is not None):
+        return None
+    size, scheme = n.literal_value, _scheme(widen, SPLIT_SCHEMES)
+    order = lane_order(size, scheme) if in_lanes(size, scheme) else None
+    chunk = 2 * lane_width(size, scheme) if order else size
+
+    def codegen(context, builder, sig, args):
+        if size == 0:
+            return context.get_dummy_value()
+        dsty, ity, srcty, jty = sig.args[:4]
+        drow, srow = (builder.bitcast(_row_ptr(context, builder, ty, a, rty, r), _F32.as_pointer())
+                      for ty, a, rty, r in ((dsty, args[0], ity, args[1]), (srcty, args[2], jty, args[3])))
+        for c in range(0, size, chunk):
+            at = ir.Constant(ir.IntType(64), c)
+            v = _load_row(builder, builder.gep(srow, [at]), types.float32, chunk)
+            if order:
+                v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), chunk), order[:chunk]))
+            builder.store(v, builder.bitcast(builder.gep(drow, [at]), ir.VectorType(_F32, chunk).as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.none(dst, i, src, j, n, widen), codegen
 
 
 @intrinsic

@@ -81,16 +81,21 @@ def empty_table(rows: int, dim: int, dtype=np.float32) -> np.ndarray:
 _SCRATCH = threading.local()
 
 
-def scratch(n, per_entry):
-    """Per-thread, grow-only int64 scratch of >= per_entry * n words, whole (views cost ~1 us a call).
+def scratch(n, per_entry, dtype=np.int64):
+    """Per-thread, grow-only scratch of >= per_entry * n elements (int64 or float32), whole (views
+    cost ~1 us a call).
 
     Fresh arrays of this size cost more than the work: glibc maps them anew on every call and
     returns them on free, so each page faults again. Thread-local, so concurrent callers never
     share it; kernels finish with it before the op returns (results handed out are copies)."""
-    buf = getattr(_SCRATCH, "buf", None)
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    key = np.dtype(dtype).char
+    buf = bufs.get(key)
     need = per_entry * n
     if buf is None or buf.shape[0] < need:
-        buf = _SCRATCH.buf = np.empty(max(need, 2 * (0 if buf is None else buf.shape[0]), 1024), np.int64)
+        buf = bufs[key] = np.empty(max(need, 2 * (0 if buf is None else buf.shape[0]), 1024), dtype)
     return buf
 
 
