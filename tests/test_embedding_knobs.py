@@ -103,15 +103,42 @@ def test_heuristics_are_the_choices_before_knobs():
         "embedding.bf16.widen.forward", "embedding.bf16.widen.sgd", "embedding.quantized.prefetch"}
 
 
-@pytest.mark.parametrize("isa, scheme, split", [("avx512", "shuffle", "shuffle"), ("avx2", "shift", "unpack8"),
-                                                ("scalar", "shift", "shift")])
-def test_bf16_rows_widen_by_a_cross_lane_shuffle_only_with_avx512(isa, scheme, split, monkeypatch):
-    # a choice, no kernel: any ISA can be posed on any host. AVX2's Split-SGD keeps its 16-bit
+@pytest.mark.parametrize("isa, dim, scheme, split", [("avx512", 128, "shuffle", "shuffle"),
+                                                     ("avx2", 128, "shift", "unpack8"), ("avx2", 64, "parity", "unpack8"),
+                                                     ("scalar", 64, "shift", "shift")])
+def test_bf16_rows_widen_by_a_cross_lane_shuffle_only_with_avx512(isa, dim, scheme, split, monkeypatch):
+    # a choice, no kernel: any ISA can be posed on any host. AVX2's forward widens by parity while
+    # the accumulator leaves registers for it (D=128 fills all 16); its Split-SGD keeps its 16-bit
     # unpacks within 128-bit lanes and permutes dout's row to match instead
     monkeypatch.setattr(_knobs, "target_isa", lambda: isa)
-    problem = (1 << 20, 128, 20, 2048, 2, 1)
+    problem = (1 << 20, dim, 20, 2048, 2, 1)
     assert forward.WIDEN.heuristic(problem) == {"scheme": scheme}
     assert sgd.WIDEN.heuristic(problem) == {"scheme": split}
+
+
+@pytest.mark.parametrize("dim", [16, 32, 128])
+def test_every_widening_pools_the_same_bits_at_every_width(dim, db, one_thread):
+    """PARITY sums rows in parity order and puts the sum back once per bag: at every specialised
+    width (D=64 is the candidates' test below), weighted and mean bags, the same bits as every
+    other scheme, and the reference's sums of the bf16 rows to rounding."""
+    w, idx, off, _, psw = _batch(4, dim=dim, weighted=True)
+    off = off.copy()
+    off[4] = off[3]  # bag 3 empty, bag 4 twice the pooling
+    table = SplitBF16Table.from_float32(w)
+    problem = (ROWS, dim, POOLING, BATCH, 2, 1)
+    seen = []
+    for params in forward.WIDEN.candidates(problem, False):
+        tunedb.store(forward.WIDEN.name, forward.WIDEN.shape_class(problem), params)
+        seen.append([embedding_bag_forward(table, idx, off, mode=mode, per_sample_weights=p).view(np.uint32)
+                     for mode, p in (("sum", psw), ("mean", None))])
+    assert {p["scheme"] for p in forward.WIDEN.candidates(problem, False)} >= {"parity", "shift", "shuffle"}
+    for got in seen[1:]:
+        for a, b in zip(got, seen[0]):
+            np.testing.assert_array_equal(a, b)
+    rows = reference.bf16_to_float32(table.hi)
+    np.testing.assert_allclose(seen[0][0].view(np.float32),
+                               reference.embedding_bag_forward(rows, idx, off, per_sample_weights=psw), rtol=1e-5, atol=1e-4)
+    assert not seen[0][1].view(np.float32)[3].any()  # the empty bag
 
 
 @pytest.mark.parametrize("dim", [16, 32, 128])

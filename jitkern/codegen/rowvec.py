@@ -16,11 +16,13 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 _F32 = ir.FloatType()
-SHUFFLE, SHIFT = 0, 1                      # bf16 widening schemes
-WIDEN_SCHEMES = {"shuffle": SHUFFLE, "shift": SHIFT}
-# Split-SGD schemes beyond those: UNPACK<w> joins the halves with 16-bit unpacks within 128-bit
-# lanes and splits them with 32->16-bit packs, which undo each other, on vectors of w floats
-SPLIT_SCHEMES = {**WIDEN_SCHEMES, "unpack8": 8, "unpack16": 16}
+SHUFFLE, SHIFT, PARITY = 0, 1, 2          # bf16 widening schemes
+# PARITY widens the even elements of a row by a 32-bit shift, the odd ones by a mask: no shuffle,
+# the row lands in parity order (evens, then odds), which row_set_from undoes once per bag
+WIDEN_SCHEMES = {"shuffle": SHUFFLE, "shift": SHIFT, "parity": PARITY}
+# Split-SGD schemes: UNPACK<w> joins the halves with 16-bit unpacks within 128-bit lanes and
+# splits them with 32->16-bit packs, which undo each other, on vectors of w floats
+SPLIT_SCHEMES = {"shuffle": SHUFFLE, "shift": SHIFT, "unpack8": 8, "unpack16": 16}
 
 
 @intrinsic
@@ -53,9 +55,23 @@ def _row_ptr(context, builder, aryty, ary, rowty, row):
     return cgutils.pointer_add(builder, a.data, builder.mul(context.cast(builder, row, rowty, types.intp), stride0))
 
 
+def parity_order(n: int) -> list:
+    """The element of a row of n that position p of a PARITY-widened row holds (n even)."""
+    return [*range(0, n, 2), *range(1, n, 2)]
+
+
 def _load_row(builder, ptr, dtype, n, scheme=SHUFFLE):
-    """<n x float> from a float32 row, or from a uint16 row of bf16 bits (moved into the high half)."""
+    """<n x float> from a float32 row, or from a uint16 row of bf16 bits (moved into the high half;
+    PARITY: in parity_order)."""
+    if dtype == types.uint16 and scheme == PARITY and n % 2 == 0:
+        i32v = ir.VectorType(ir.IntType(32), n // 2)
+        pairs = builder.load(builder.bitcast(ptr, i32v.as_pointer()), align=2)
+        even = builder.shl(pairs, ir.Constant(i32v, [16] * (n // 2)))
+        odd = builder.and_(pairs, ir.Constant(i32v, [0xFFFF0000] * (n // 2)))
+        both = builder.shuffle_vector(even, odd, ir.Constant(ir.VectorType(ir.IntType(32), n), list(range(n))))
+        return builder.bitcast(both, ir.VectorType(_F32, n))
     if dtype == types.uint16:
+        scheme = SHIFT if scheme == PARITY else scheme
         raw = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), n).as_pointer()), align=2)
         return builder.bitcast(_join_halves(builder, ir.Constant(ir.VectorType(ir.IntType(16), n), [0] * n), raw,
                                             n, scheme), ir.VectorType(_F32, n))
@@ -73,7 +89,7 @@ def lane_width(n: int, width: int) -> int:
 def in_lanes(n: int, scheme: int) -> bool:
     """Whether Split-SGD scheme `scheme` keeps rows of n in lane order (else: row order, SHIFT's
     or SHUFFLE's way)."""
-    return scheme not in (SHUFFLE, SHIFT) and n > 0 and lane_width(n, scheme) > 0
+    return scheme in SPLIT_SCHEMES.values() and scheme not in (SHUFFLE, SHIFT) and n > 0 and lane_width(n, scheme) > 0
 
 
 def lane_order(n: int, width: int) -> list:
@@ -215,6 +231,32 @@ def row_split_axpy(typingctx, hi, lo, i, src, j, scale, n, widen):
             builder.store(new_lo, lptr, align=2)
         return context.get_dummy_value()
     return types.none(hi, lo, i, src, j, scale, n, widen), codegen
+
+
+@intrinsic
+def row_set_from(typingctx, dst, i, src, j, scale, n, widen):
+    """dst[i, :n] = scale * src[j, :n] for a src row in the order bf16 widening `widen` left it
+    (PARITY: parity_order, put back in row order; else unchanged); n and widen compile-time."""
+    if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,))
+            and _is_table(src, (types.float32,)) and isinstance(scale, (types.Float, types.Integer))
+            and _scheme(widen) is not None):
+        return None
+    size, scheme = n.literal_value, _scheme(widen)
+    where = {e: p for p, e in enumerate(parity_order(size))}
+    back = [where[e] for e in range(size)] if scheme == PARITY and size % 2 == 0 else None
+
+    def codegen(context, builder, sig, args):
+        if size == 0:
+            return context.get_dummy_value()
+        dsty, ity, srcty, jty, sty = sig.args[:5]
+        v = _load_row(builder, _row_ptr(context, builder, srcty, args[2], jty, args[3]), types.float32, size)
+        if back:
+            v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), size), back))
+        dptr = builder.bitcast(_row_ptr(context, builder, dsty, args[0], ity, args[1]),
+                               ir.VectorType(_F32, size).as_pointer())
+        builder.store(builder.fmul(v, _splat(context, builder, args[4], sty, size)), dptr, align=4)
+        return context.get_dummy_value()
+    return types.none(dst, i, src, j, scale, n, widen), codegen
 
 
 @intrinsic

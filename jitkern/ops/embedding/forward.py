@@ -21,7 +21,7 @@ from numba import prange
 from ...codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, tunedb
 from ...codegen.knobs import knob
 from ...codegen.prefetch import HINTS
-from ...codegen.rowvec import WIDEN_SCHEMES, stack_f32
+from ...codegen.rowvec import WIDEN_SCHEMES, row_set_from, stack_f32
 from ...config import choice_token, get_config
 from .._check import float_array
 from ._knobs import (
@@ -82,7 +82,10 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM):
                 pool_bag(acc, weight, indices, psw, s, e, D, False)
             if e > s:
                 inv = np.float32(1.0) / np.float32(e - s) if mean else np.float32(1.0)
-                madd_row(out, b, acc, 0, inv, D, DC, True)
+                if DC:  # the sum is in the order the widening left it
+                    row_set_from(out, b, acc, 0, inv, DC, SCHEME)
+                else:
+                    madd_row(out, b, acc, 0, inv, D, DC, True)
             else:
                 for d in range(D):
                     out[b, d] = 0.0
@@ -208,10 +211,18 @@ PREFETCH = knob("embedding.forward.prefetch", doc="rows the forward prefetches a
 PARALLEL = knob("embedding.parallel.forward", doc="work (nnz * D) up to which the forward runs on the calling thread",
                 heuristic=_parallel_heuristic, shape_class=shape_class, quick_class=quick_class, problems=problems,
                 search=_parallel_search)
+def _widen_candidates(problem, quick):
+    """Every scheme; the quick tune the heuristic's and one other (shift, or parity beside it)."""
+    if not quick:
+        return [{"scheme": s} for s in WIDEN_SCHEMES]
+    mine = widen_heuristic(problem)["scheme"]
+    return [{"scheme": mine}, {"scheme": "parity" if mine == "shift" else "shift"}]
+
+
 WIDEN = knob("embedding.bf16.widen.forward", doc="how the forward widens bf16 rows to fp32 (codegen.rowvec)",
              heuristic=widen_heuristic, shape_class=shape_class, quick_class=quick_class,
              problems=lambda w: problems(w, itemsizes=(2,)),
-             candidates=lambda p, quick: [{"scheme": s} for s in WIDEN_SCHEMES],
+             candidates=_widen_candidates,
              runner=lambda p, params: _timed(p, PREFETCH.choose(p), params))
 
 
