@@ -104,7 +104,8 @@ def test_heuristics_are_the_choices_before_knobs():
 
 
 @pytest.mark.parametrize("isa, dim, scheme, split", [("avx512", 128, "shuffle", "shuffle"),
-                                                     ("avx2", 128, "shift", "unpack8"), ("avx2", 64, "parity", "unpack8"),
+                                                     ("avx2", 128, "shift", "unpack8"),
+                                                     ("avx2", 64, "parity", "unpack8"),
                                                      ("scalar", 64, "shift", "shift")])
 def test_bf16_rows_widen_by_a_cross_lane_shuffle_only_with_avx512(isa, dim, scheme, split, monkeypatch):
     # a choice, no kernel: any ISA can be posed on any host. AVX2's forward widens by parity while
@@ -136,8 +137,8 @@ def test_every_widening_pools_the_same_bits_at_every_width(dim, db, one_thread):
         for a, b in zip(got, seen[0]):
             np.testing.assert_array_equal(a, b)
     rows = reference.bf16_to_float32(table.hi)
-    np.testing.assert_allclose(seen[0][0].view(np.float32),
-                               reference.embedding_bag_forward(rows, idx, off, per_sample_weights=psw), rtol=1e-5, atol=1e-4)
+    want = reference.embedding_bag_forward(rows, idx, off, per_sample_weights=psw)
+    np.testing.assert_allclose(seen[0][0].view(np.float32), want, rtol=1e-5, atol=1e-4)
     assert not seen[0][1].view(np.float32)[3].any()  # the empty bag
 
 

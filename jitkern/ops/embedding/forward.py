@@ -211,6 +211,8 @@ PREFETCH = knob("embedding.forward.prefetch", doc="rows the forward prefetches a
 PARALLEL = knob("embedding.parallel.forward", doc="work (nnz * D) up to which the forward runs on the calling thread",
                 heuristic=_parallel_heuristic, shape_class=shape_class, quick_class=quick_class, problems=problems,
                 search=_parallel_search)
+
+
 def _widen_candidates(problem, quick):
     """Every scheme; the quick tune the heuristic's and one other (shift, or parity beside it)."""
     if not quick:

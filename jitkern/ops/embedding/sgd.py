@@ -227,10 +227,10 @@ def _in_lanes(bf16, dim, scheme) -> bool:
     return bool(bf16) and in_lanes(d_class(dim), SPLIT_SCHEMES[scheme])
 
 
-def _lanes(dout, bf16, scheme, nparts):
-    """The float32 scratch of nparts rings of dout rows in lane order, if this table's scheme takes them."""
+def _lanes(dout, wanted, nparts):
+    """The float32 scratch of nparts rings of dout rows in lane order, if the update takes them."""
     dim = dout.shape[1]
-    return scratch(ring_rows(dim) * dim, nparts, np.float32) if _in_lanes(bf16, dim, scheme) else _NO_LANES
+    return scratch(ring_rows(dim) * dim, nparts, np.float32) if wanted else _NO_LANES
 
 
 @kernel_factory("embedding_bag_sgd")
@@ -277,7 +277,7 @@ def _timed(problem, prefetch, widen):
     nparts = _parts(nnz, dim, rows * dim * 4, threads, PARALLEL.choose(problem))
     kern = get_kernel(_spec(dim, itemsize == 2, nparts > 1, prefetch, widen))
     work = np.empty(nnz * nparts, np.int64) if nparts > 1 else _NO_SCRATCH
-    lanes = _lanes(dout, itemsize == 2, widen["scheme"], nparts)
+    lanes = _lanes(dout, _in_lanes(itemsize == 2, dim, widen["scheme"]), nparts)
     call = cycle([functools.partial(kern, bags, dout, _LR, target, work, nparts, lanes) for bags in batches],
                  batches)
     return call if nparts == 1 else on_threads(threads, call)
@@ -312,8 +312,9 @@ def _parallel_search(problem, quick, timer):
         batches, dout = draw_batches(problem, nbags)
         nparts = threads if parallel else 1
         work = np.empty(nbags * pooling * nparts, np.int64)
-        lanes = _lanes(dout, itemsize == 2, widen["scheme"], nparts)
-        calls = [functools.partial(kernels[parallel], bags, dout, _LR, target, work, nparts, lanes) for bags in batches]
+        lanes = _lanes(dout, _in_lanes(itemsize == 2, dim, widen["scheme"]), nparts)
+        calls = [functools.partial(kernels[parallel], bags, dout, _LR, target, work, nparts, lanes)
+                 for bags in batches]
         return cycle(calls, batches)
 
     sizes = (64, 512, 4096) if quick else (16, 64, 256, 1024, 4096, 16384)
@@ -343,8 +344,8 @@ _KERNELS: dict = {}  # as forward._KERNELS
 
 
 def _kernels(rows, dim, bf16, threads, nnz, nbags):
-    """(parallel choice, serial kernel, parallel kernel, bf16 scheme) of a table at a thread count,
-    memoised as forward._kernels."""
+    """(parallel choice, serial kernel, parallel kernel, whether they take dout in lane order) of a
+    table at a thread count, memoised as forward._kernels."""
     token = (choice_token(), tunedb.generation())
     key = (rows, dim, bf16, threads)
     got = _KERNELS.get(key)
@@ -352,7 +353,8 @@ def _kernels(rows, dim, bf16, threads, nnz, nbags):
         problem = call_problem(rows, dim, nnz, nbags, 2 if bf16 else 4, threads)
         prefetch, widen = PREFETCH.choose(problem), WIDEN.choose(problem)
         got = _KERNELS[key] = (token, (PARALLEL.choose(problem), get_kernel(_spec(dim, bf16, False, prefetch, widen)),
-                                       get_kernel(_spec(dim, bf16, True, prefetch, widen)), widen["scheme"]))
+                                       get_kernel(_spec(dim, bf16, True, prefetch, widen)),
+                                       _in_lanes(bf16, dim, widen["scheme"])))
     return got[1]
 
 
@@ -380,10 +382,10 @@ def embedding_bag_sgd_(weight, indices, offsets, dout, lr, *, mode="sum", per_sa
     if nnz > MAX_NNZ:  # a position and a bag share one int64 word
         raise ValueError(f"embedding_bag_sgd_ supports up to 2**31 - 1 indices, got {nnz}")
     threads = num_threads()
-    parallel, serial_kernel, parallel_kernel, scheme = _kernels(R, D, bf16, threads, nnz, nbags)
+    parallel, serial_kernel, parallel_kernel, lanes_order = _kernels(R, D, bf16, threads, nnz, nbags)
     nparts = _parts(nnz, D, w.size * 4, threads, parallel)  # bytes a row update touches: fp32, or both bf16 halves
     target = (w, weight.lo if bf16 else _NO_LO)
-    lanes = _lanes(dout, bf16, scheme, nparts)
+    lanes = _lanes(dout, lanes_order, nparts)
     if nparts > 1:
         code, pos, val = parallel_kernel(bags, dout, lr, target, scratch(nnz, nparts), nparts, lanes)
     else:
