@@ -259,6 +259,52 @@ def test_relu_mask_zeroes_nan_gradients_where_inactive():
     np.testing.assert_array_equal(dw, [[1, 1, 1], [3, 3, 3]])
 
 
+def relu_output(rng, n, k):
+    """A ReLU's output: positive values, exact +0.0 and -0.0, and a NaN (masked like an inactive unit)."""
+    x = np.maximum(arrays(rng, n, k), np.float32(0.0))
+    x[rng.random((n, k)) < 0.1] = np.float32(-0.0)
+    x.flat[rng.integers(0, n * k)] = np.nan
+    return x
+
+
+@given(n=dims, k=dims, m=dims, act=st.sampled_from([None, "relu"]), outs=st.booleans(), seed=st.integers(0, 99))
+def test_input_relu_masks_dx_exactly_as_a_separate_relu_backward(n, k, m, act, outs, seed):
+    # dx masked in the dx GEMM's epilogue (or after the matrix-vector kernels) = the unmasked dx
+    # with x's inactive units (x <= 0 or NaN) set to +0.0, bit for bit; dw and db unchanged
+    rng = np.random.default_rng(seed)
+    x, w = relu_output(rng, n, k), arrays(rng, m, k)
+    y, dy = np.maximum(arrays(rng, n, m), 0), arrays(rng, n, m)
+    given_dx = np.full((n, k), np.nan, np.float32) if outs else None
+    dx, dw, db = linear_backward(dy, x, w, y, activation=act, input_relu=True, out_dx=given_dx)
+    pdx, pdw, pdb = linear_backward(dy, x, w, y, activation=act)
+    want = np.where(x > 0, pdx, np.float32(0.0))
+    np.testing.assert_array_equal(dx.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(dw, pdw)
+    np.testing.assert_array_equal(db, pdb)
+    rdx = ref.linear_backward(dy, x, w, y, activation=act, input_relu=True)[0]
+    assert_close(dx, rdx, np.abs(dy).astype(np.float64) @ np.abs(w), m)
+
+
+@given(m=dims, n=dims, k=st.integers(1, 200), mc=st.sampled_from([6, 12, 30]), kc=st.sampled_from([4, 16, 64]),
+       nc=st.sampled_from([16, 48, 512]), seed=st.integers(0, 99))
+def test_gemm_mask_over_k_passes_blocks_and_edge_tiles(m, n, k, mc, kc, nc, seed):
+    # small blocks: several K passes (the mask must not cut partial sums), row and column blocks,
+    # and edge tiles (masked in the scalar copy-out)
+    rng = np.random.default_rng(seed)
+    a, b, mask = arrays(rng, m, k), arrays(rng, k, n), relu_output(rng, m, n)
+    blocks = G.shape_blocks({"mc": mc, "kc": kc}, m, n, k, 1)
+    plain = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks)
+    got = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, mask=mask)
+    np.testing.assert_array_equal(got.view(np.uint32), np.where(mask > 0, plain, np.float32(0.0)).view(np.uint32))
+
+
+def test_input_relu_needs_dx():
+    f32 = np.ones((4, 3), np.float32)
+    with pytest.raises(ValueError, match="input_relu=True masks dx, but need_dx is False"):
+        linear_backward(np.ones((4, 2), np.float32), f32, np.ones((2, 3), np.float32), need_dx=False,
+                        input_relu=True)
+
+
 def test_parallel_results_are_deterministic_across_thread_counts():
     rng = np.random.default_rng(3)
     x, w, b = arrays(rng, 700, 333), arrays(rng, 130, 333), arrays(rng, 130)

@@ -181,6 +181,26 @@ def test_linear_backward_matches_reference(path, n, k, m, act, grads, dx_dtype, 
     assert_close(db, rdb, np.abs(values(dy)).sum(axis=0), n)
 
 
+@pytest.mark.parametrize("path", ISAS)
+@given(n=dims, k=dims, m=dims, dx_dtype=out_dtypes, seed=st.integers(0, 99))
+def test_input_relu_masks_bf16_dx_exactly(path, n, k, m, dx_dtype, seed):
+    # x a bf16 ReLU output (+0.0, -0.0 and a NaN among its units): dx = the unmasked dx, +0.0 where x <= 0
+    rng = np.random.default_rng(seed)
+    xf = np.maximum(rng.standard_normal((n, k), dtype=np.float32), np.float32(0.0))
+    xf[rng.random((n, k)) < 0.1] = np.float32(-0.0)
+    xf.flat[rng.integers(0, n * k)] = np.nan
+    x, w = BF16Array.from_float32(xf), bf16(rng, m, k)
+    dy = rng.standard_normal((n, m), dtype=np.float32)
+    with bf16_path(path, TMP):
+        dx, dw, db = linear_backward(dy, x, w, dx_dtype=dx_dtype, input_relu=True)
+        pdx, pdw, pdb = linear_backward(dy, x, w, dx_dtype=dx_dtype)
+    bits = lambda a: getattr(a, "bits", a).view(np.uint16 if dx_dtype == "bfloat16" else np.uint32)  # noqa: E731
+    want = np.where(values(x) > 0, bits(pdx), 0).astype(bits(pdx).dtype)
+    np.testing.assert_array_equal(bits(dx), want)
+    np.testing.assert_array_equal(dw, pdw)
+    np.testing.assert_array_equal(db, pdb)
+
+
 @pytest.mark.parametrize("path", ISAS + ["scalar"])
 @given(m=st.integers(1, 70), n=st.integers(1, 70), k=st.integers(0, 61), ta=st.booleans(), tb=st.booleans(),
        out_bf16=st.booleans(), mc=st.integers(1, 3), kc=st.sampled_from([2, 4, 6, 64]), nc=st.integers(1, 2),

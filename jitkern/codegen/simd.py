@@ -4,6 +4,7 @@ The GEMM microkernel computes one MR x NR tile of C from packed panels:
 
     acc = (load ? C[0:MR, 0:NR] : 0) + sum_k  ap[0:MR, k] (outer) bp[k, 0:NR]
     if epi: acc = relu?(acc + bias?[0:NR])        (use_bias / relu: runtime flags)
+            acc = acc where M[0:MR, 0:NR] > 0 else +0.0 (use_mask: M laid out as C)
     C[0:MR, 0:NR] = acc
 
 ap is an A micro-panel with element (r, k) at k * ak + r * ar (packed k-major: ak = MR, ar = 1;
@@ -77,11 +78,11 @@ class _Tile:
     def vec(self):
         return ir.VectorType(_F32, self.vw)
 
-    def c_ptr(self, r, v):
-        """Pointer to the v-th vector of row r of C."""
+    def c_ptr(self, r, v, base=None):
+        """Pointer to the v-th vector of row r of C (or of a matrix laid out as C from `base`)."""
         bld = self.bld
         off = bld.add(bld.mul(ir.Constant(_I64, r), self.ldc), ir.Constant(_I64, v * self.vw))
-        return bld.bitcast(bld.gep(self.pc, [off]), self.vec.as_pointer())
+        return bld.bitcast(bld.gep(self.pc if base is None else base, [off]), self.vec.as_pointer())
 
     def grid(self, make):
         """[[make(r, v) for each vector v of row r] for each row r]."""
@@ -89,10 +90,11 @@ class _Tile:
 
 
 def _declare(module, name, vw):
-    """The tile function fn(kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu),
-    always inlined, its pointers noalias; and llvm.fma on <vw x float>."""
+    """The tile function fn(kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu,
+    pmask, use_mask), always inlined, its pointers noalias; and llvm.fma on <vw x float>."""
     fp, vec = _F32.as_pointer(), ir.VectorType(_F32, vw)
-    fnty = ir.FunctionType(ir.VoidType(), [_I64, fp, _I64, _I64, fp, _I64, fp, _I64, _I1, _I1, fp, _I1, _I1])
+    fnty = ir.FunctionType(ir.VoidType(), [_I64, fp, _I64, _I64, fp, _I64, fp, _I64, _I1, _I1, fp, _I1, _I1,
+                                           fp, _I1])
     fn = ir.Function(module, fnty, name=name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
@@ -163,6 +165,15 @@ def _emit_epilogue(t: _Tile, acc, pbias, use_bias, relu):
             for row in done]
 
 
+def _emit_mask(t: _Tile, acc, pmask):
+    """acc where the mask tile (C's layout, from pmask) is > 0, else +0.0: a ReLU's backward by its
+    output (an ordered compare: a NaN output masks too), as ops' relu_keep."""
+    bld, vec, vw = t.bld, t.vec, t.vw
+    zero = ir.Constant(vec, [0.0] * vw)
+    keep = t.grid(lambda r, v: bld.fcmp_ordered(">", bld.load(t.c_ptr(r, v, pmask), align=4), zero))
+    return [[bld.select(keep[r][v], acc[r][v], zero) for v in range(t.nv)] for r in range(t.mr)]
+
+
 def _emit_store(t: _Tile, incoming):
     """C = the accumulators arriving from `incoming` = [(predecessor block, accumulators)]."""
     bld = t.bld
@@ -187,11 +198,11 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     if fn is not None:
         return fn
     fn, fma = _declare(module, name, vw)
-    kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu = fn.args
+    kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu, pmask, use_mask = fn.args
     names = ("entry", "load_c", "k_pick", "k_pick2", "kp_head", "kp_body", "kr_head", "kr_body", "kg_head",
-             "kg_body", "k_done", "epilogue", "store")
+             "kg_body", "k_done", "epilogue", "mask", "store")
     (entry, b_load, b_pick, b_pick2, bp_head, bp_body, br_head, br_body, bg_head, bg_body, b_tail, b_epi,
-     b_store) = (fn.append_basic_block(n) for n in names)
+     b_mask, b_store) = (fn.append_basic_block(n) for n in names)
     t = _Tile(ir.IRBuilder(entry), mr, nr // vw, vw, pc, ldc, fma)
     bld = t.bld
     fp, one = _F32.as_pointer(), ir.Constant(_I64, 1)
@@ -227,16 +238,19 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     bld.cbranch(epi, b_epi, b_store)
     bld.position_at_end(b_epi)
     done = _emit_epilogue(t, acc, pbias, use_bias, relu)
+    bld.cbranch(use_mask, b_mask, b_store)
+    bld.position_at_end(b_mask)   # a branch, not a select: the mask is not read unless used
+    masked = _emit_mask(t, done, pmask)
     bld.branch(b_store)
     bld.position_at_end(b_store)
-    _emit_store(t, [(b_tail, acc), (b_epi, done)])
+    _emit_store(t, [(b_tail, acc), (b_epi, done), (b_mask, masked)])
     bld.ret_void()
     return fn
 
 
 # --------------------------------------------------------------------------- the numba intrinsic
 
-_OPERANDS = {"a": 2, "b": 1, "c": 1, "bias": 0}  # strides after (array, offset)
+_OPERANDS = {"a": 2, "b": 1, "c": 1, "bias": 0, "mask": 0}  # strides after (array, offset)
 
 
 def _is_operand(ty, strides: int) -> bool:
@@ -257,34 +271,37 @@ def _operand(context, builder, ty, value):
 # caller on its bytecode and closure values, so drivers must close over plain ints (tile_code),
 # never over per-process objects such as intrinsics (whose pickles differ between processes).
 @intrinsic(prefer_literal=True)
-def fma_tile(typingctx, code, kc, a, b, c, bias, flags):
-    """fma_tile(code, kc, a, b, c, bias, flags): one MR x NR register tile of C (see the module doc).
+def fma_tile(typingctx, code, kc, a, b, c, bias, flags, mask):
+    """fma_tile(code, kc, a, b, c, bias, flags, mask): one MR x NR register tile of C (see the
+    module doc).
 
     a = (array, offset, k stride, row stride), b = (array, offset, row stride), c = (array, offset,
-    row stride), bias = (array, offset): flat float32 arrays and integers; flags = (load, epi,
-    use_bias, relu) booleans; code = tile_code(...) must be a compile-time constant.
+    row stride), bias and mask = (array, offset) (mask: row stride c's): flat float32 arrays and
+    integers; flags = (load, epi, use_bias, relu, use_mask) booleans; code = tile_code(...) must be
+    a compile-time constant.
     """
-    operands = {"a": a, "b": b, "c": c, "bias": bias}
+    operands = {"a": a, "b": b, "c": c, "bias": bias, "mask": mask}
     if not isinstance(code, types.IntegerLiteral) or not isinstance(kc, types.Integer):
         return None
     if not all(_is_operand(operands[k], n) for k, n in _OPERANDS.items()):
         return None
-    if not (isinstance(flags, types.BaseTuple) and len(flags) == 4
+    if not (isinstance(flags, types.BaseTuple) and len(flags) == 5
             and all(isinstance(f, types.Boolean) for f in flags.types)):
         return None
     mr, nr, vw = _decode(code.literal_value)
 
     def codegen(context, builder, signature, args):
-        _, kc_, a_, b_, c_, bias_, flags_ = args
+        _, kc_, a_, b_, c_, bias_, flags_, mask_ = args
         tys = signature.args
         pa, (ak, ar) = _operand(context, builder, tys[2], a_)
         pb, (ldb,) = _operand(context, builder, tys[3], b_)
         pc, (ldc,) = _operand(context, builder, tys[4], c_)
         pbias, () = _operand(context, builder, tys[5], bias_)
-        load, epi, use_bias, relu = (context.cast(builder, builder.extract_value(flags_, i), t, types.boolean)
-                                     for i, t in enumerate(tys[6].types))
+        pmask, () = _operand(context, builder, tys[7], mask_)
+        load, epi, use_bias, relu, use_mask = (context.cast(builder, builder.extract_value(flags_, i), t,
+                                                            types.boolean) for i, t in enumerate(tys[6].types))
         fn = _emit_tile_function(builder.module, mr, nr, vw)
         builder.call(fn, [context.cast(builder, kc_, tys[1], types.int64), pa, ak, ar, pb, ldb, pc, ldc,
-                          load, epi, pbias, use_bias, relu])
+                          load, epi, pbias, use_bias, relu, pmask, use_mask])
         return context.get_dummy_value()
-    return types.void(code, kc, a, b, c, bias, flags), codegen
+    return types.void(code, kc, a, b, c, bias, flags, mask), codegen

@@ -45,18 +45,40 @@ class TrainStages:
         y = ops.linear_forward(h, w, b, activation="relu" if act == "relu" else None, out=out)
         return ops.sigmoid_forward(y, out=y) if act == "sigmoid" else y
 
-    def _layer_backward(self, dy, x, w, y, act, outs, need_dx=True):
+    def _layer_backward(self, dy, x, w, y, act, outs, need_dx=True, input_relu=False):
         """(dx, dw, db) of _layer_forward; y: its output; outs: (out_dx, out_dw), the step buffers
-        they are written to. A SplitWeight w: bf16 GEMMs, dx bf16 (what the layer below and the
-        interaction read), dw and db fp32."""
+        they are written to; input_relu: x is a ReLU's output, dx comes back masked by it. A
+        SplitWeight w: bf16 GEMMs, dx bf16 (what the layer below and the interaction read), dw and
+        db fp32."""
         out_dx, out_dw = outs
         if isinstance(w, SplitWeight):
             return ops.linear_backward(dy, x, w.hi, y, activation=act, need_dx=need_dx, dx_dtype="bfloat16",
-                                       out_dx=out_dx, out_dw=out_dw)
+                                       out_dx=out_dx, out_dw=out_dw, input_relu=input_relu)
         if act == "sigmoid":
             dy = ops.sigmoid_backward(dy, y)
         return ops.linear_backward(dy, x, w, y, activation="relu" if act == "relu" else None, need_dx=need_dx,
-                                   out_dx=out_dx, out_dw=out_dw)
+                                   out_dx=out_dx, out_dw=out_dw, input_relu=input_relu)
+
+    def _mlp_backward(self, ctx: StepContext, mlp: str, dy, first_x, need_first_dx):
+        """Backward through the layers of `mlp` ("top" or "bottom") from dy at its output; first_x:
+        what layer 0 read. With ReLU MLPs each layer's dx is masked by the ReLU below it in the dx
+        GEMM's epilogue (input_relu), so that layer's backward takes it as it is (activation None).
+        -> (dx at the MLP's input or None, [(dw, db) per layer])."""
+        ws, outs_of, widths = ((self.top_w, ctx.buf.top, self.top_mlp) if mlp == "top"
+                               else (self.bot_w, ctx.buf.bot, self.bottom_mlp))
+        grads = [None] * len(ws)
+        last, masked = len(ws) - 1, False
+        for l in range(last, -1, -1):
+            x = first_x if l == 0 else outs_of[l - 1]
+            act = None if (masked or (mlp == "top" and l == last)) else self.activation
+            fuse = l > 0 and self.activation == "relu"
+            need_dx = l > 0 or need_first_dx
+            outs = ctx.buf.grads(mlp, l, (widths[l + 1], widths[l]), need_dx)
+            dy, dw, db = self._layer_backward(dy, x, ws[l], outs_of[l], act, outs, need_dx=need_dx, input_relu=fuse)
+            masked = fuse
+            grads[l] = (dw, db)
+            self.layer_done(ctx, mlp, (l, dw, db))
+        return dy, grads
 
     def bottom_forward(self, ctx: StepContext):
         """x = bottom MLP(dense); dense: (b, n_dense) -> x: (b, D), the activation after every layer."""
@@ -172,17 +194,7 @@ class TrainStages:
     def top_backward(self, ctx: StepContext, dlogits, z):
         """Top MLP backward; -> (dz, [(dw, db) per layer])."""
         with self.timer("top_bwd"):
-            dy = dlogits.reshape(-1, 1)
-            grads = [None] * len(self.top_w)
-            last = len(self.top_w) - 1
-            for l in range(last, -1, -1):
-                x = z if l == 0 else ctx.buf.top[l - 1]
-                act = None if l == last else self.activation
-                outs = ctx.buf.grads("top", l, (self.top_mlp[l + 1], self.top_mlp[l]), True)
-                dy, dw, db = self._layer_backward(dy, x, self.top_w[l], ctx.buf.top[l], act, outs)
-                grads[l] = (dw, db)
-                self.layer_done(ctx, "top", (l, dw, db))
-            return dy, grads
+            return self._mlp_backward(ctx, "top", dlogits.reshape(-1, 1), z, True)
 
     def interaction_backward(self, ctx: StepContext, dz, x, ly):
         """-> (dx (b, D), dly (b, T, D))."""
@@ -200,17 +212,8 @@ class TrainStages:
     def bottom_backward(self, ctx: StepContext, dx):
         """Bottom MLP backward; -> [(dw, db) per layer] (the gradient w.r.t. dense is not needed)."""
         with self.timer("bottom_bwd"):
-            dy = dx
-            grads = [None] * len(self.bot_w)
             first = ctx.buf.dense16 if self.precision == "bf16" else ctx.dense    # what layer 0 read
-            for l in range(len(self.bot_w) - 1, -1, -1):
-                x = first if l == 0 else ctx.buf.bot[l - 1]
-                outs = ctx.buf.grads("bottom", l, (self.bottom_mlp[l + 1], self.bottom_mlp[l]), l > 0)
-                dy, dw, db = self._layer_backward(dy, x, self.bot_w[l], ctx.buf.bot[l], self.activation, outs,
-                                                  need_dx=l > 0)
-                grads[l] = (dw, db)
-                self.layer_done(ctx, "bottom", (l, dw, db))
-            return grads
+            return self._mlp_backward(ctx, "bottom", dx, first, False)[1]
 
     def layer_done(self, ctx: StepContext, mlp: str, grads) -> None:
         """Called after each MLP layer ("bottom" or "top"; grads None in forward, (layer, dw, db) in

@@ -230,17 +230,22 @@ def _forward(x, w, b, y, relu, transposed):
     return transpose_into(yt, y, b, relu)
 
 
-def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None, out_dx=None, out_dw=None):
+def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None, out_dx=None, out_dw=None,
+                    input_relu=False):
     """Gradients of linear_forward; dy, y: (N, M), x: (N, K), w: (M, K) -> dx (N, K), dw (M, K), db (M,).
 
     need_dx=False skips dx (returned as None): the first layer's input gradient is never used.
-    out_dx, out_dw: caller-given outputs (buffers reused step after step: fresh multi-MB arrays
-    cost a page fault per 4 KiB on every call).
-    With BF16Array x and w: bf16 GEMMs; dw, db float32, dx float32 or bf16 (dx_dtype).
+    input_relu=True: x is a ReLU's output, and dx comes back as the gradient at that ReLU's input
+    (+0.0 where x <= 0), masked in the GEMM's epilogue; the layer below then takes it with
+    activation=None, and no pass over memory masks it. out_dx, out_dw: caller-given outputs
+    (buffers reused step after step: fresh multi-MB arrays cost a page fault per 4 KiB on every
+    call). With BF16Array x and w: bf16 GEMMs; dw, db float32, dx float32 or bf16 (dx_dtype).
     """
+    if input_relu and not need_dx:
+        raise ValueError("input_relu=True masks dx, but need_dx is False")
     if isinstance(x, BF16Array) or isinstance(w, BF16Array):
         return gemm_bf16.linear_backward(dy, x, w, y, activation=activation, need_dx=need_dx, dx_dtype=dx_dtype,
-                                         out_dx=out_dx, out_dw=out_dw)
+                                         out_dx=out_dx, out_dw=out_dw, input_relu=input_relu)
     _fp32_only("dx_dtype", dx_dtype)
     relu = _activation(activation)
     dy, x, w = (_check.float_array(name, v, ndim=2) for name, v in (("dy", dy), ("x", x), ("w", w)))
@@ -264,7 +269,7 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
     else:
         db[:] = 0.0
     if need_dx:
-        _run(g, w, dx, False, False, "linear_dx")
+        _run(g, w, dx, False, False, "linear_dx", mask=x if input_relu else None)
     mr, nr, _ = tile_shape()
     if dw_variant(m, k, mr, nr) == "linear_dwt":
         transpose_into(_run(x, g, transposed_buffer(k * m).reshape(k, m), True, False, "linear_dwt"), dw)

@@ -20,7 +20,7 @@ from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
 from .gemm_bf16_kernel import bf16_tile, gemm_bf16_into, grad_buffer
-from .gemm_kernel import relu_grad, transpose_into, transposed_buffer
+from .gemm_kernel import relu_grad, relu_mask_into, transpose_into, transposed_buffer
 
 VARIANTS = ("gemm", "linear_forward", "linear_dx", "linear_dw", "linear_dwt")
 OUT_DTYPES = (None, "float32", "bfloat16")
@@ -176,10 +176,12 @@ def linear_forward(x, w, b=None, *, activation=None, out=None, out_dtype=None):
     return res
 
 
-def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None, out_dx=None, out_dw=None):
+def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None, out_dx=None, out_dw=None,
+                    input_relu=False):
     """Gradients of linear_forward on bf16 operands; dy, y: (N, M) float32 or BF16Array, x: (N, K),
     w: (M, K) BF16Array -> dx (N, K) float32 or BF16Array (dx_dtype), dw (M, K) float32, db (M,) float32;
-    out_dx (of dx's type), out_dw: caller-given outputs.
+    out_dx (of dx's type), out_dw: caller-given outputs; input_relu: dx masked by x > 0 (as fp32
+    linear_backward's).
 
     The GEMMs read dy (masked by y > 0 with activation='relu') rounded to bf16; db sums it unrounded.
     """
@@ -213,6 +215,8 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
     if need_dx:
         target, dx = _output("dx", out_dx, dx_dtype, (n, k), dy, y, x, w)
         _run(g, w, target, False, False, "linear_dx")
+        if input_relu:
+            relu_mask_into(target, x)
     _, mr, nr, _ = bf16_tile()
     if dw_variant(m, k, mr, nr) == "linear_dwt":
         transpose_into(_run(x, g, transposed_buffer(k * m).reshape(k, m), True, False, "linear_dwt"), dw)

@@ -109,7 +109,7 @@ def _sweep_fma(code, ap, b_src, c_op, scratch, blk, kpass, geo, flags):
     p0, kcb = kpass
     k, ps = geo
     load = flags[0]
-    tflags = (flags[0], flags[1], flags[2], flags[3])  # (load, last: the epilogue, use_bias, relu)
+    tflags = (flags[0], flags[1], flags[2], flags[3], False)  # (load, last: the epilogue, use_bias, relu, mask)
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
         nrem = min(nr, j0 + ncb - jj)
@@ -121,13 +121,13 @@ def _sweep_fma(code, ap, b_src, c_op, scratch, blk, kpass, geo, flags):
             off = co + (ii - i0) * ld + jj - j0
             if mrem == mr and nrem == nr:
                 prefetch_c(cf, off, ld, mr, nr * 4)
-                fma_tile(code, kcb, a_op, b_op, (cf, off, ld), (biasp, jj), tflags)
+                fma_tile(code, kcb, a_op, b_op, (cf, off, ld), (biasp, jj), tflags, (biasp, 0))
             else:
                 if load:
                     for r in range(mrem):
                         for q in range(nrem):
                             scratch[_u(r * nr + q)] = cf[_u(off + r * ld + q)]
-                fma_tile(code, kcb, a_op, b_op, (scratch, 0, nr), (biasp, jj), tflags)
+                fma_tile(code, kcb, a_op, b_op, (scratch, 0, nr), (biasp, jj), tflags, (biasp, 0))
                 for r in range(mrem):
                     for q in range(nrem):
                         cf[_u(off + r * ld + q)] = scratch[_u(r * nr + q)]

@@ -181,38 +181,56 @@ def _scale_block(c, blk, beta):
 
 
 @jit(inline="always")
-def _edge_tile(code, kcb, a_op, b_op, c_op, bias_op, flags, tile, rows, cols):
+def _edge_tile(code, kcb, a_op, b_op, c_op, bias_op, flags, mask_op, tile, rows, cols):
     """A tile with only rows x cols inside C: computed whole in the scratch `tile`, the valid part
-    copied to C (c_op = (flat C, offset, row stride)); other arguments as fma_tile's."""
+    copied to C (c_op = (flat C, offset, row stride)) and masked on the way (mask_op: as C's, at
+    the same offset); other arguments as fma_tile's."""
     _, nr = tile_dims(code)
     cf, coff, ldc = c_op
     if flags[0]:  # load: C's current values are accumulated onto
         for r in range(rows):
             for q in range(cols):
                 tile[_u(r * nr + q)] = cf[_u(coff + r * ldc + q)]
-    fma_tile(code, kcb, a_op, b_op, (tile, 0, nr), bias_op, flags)
-    for r in range(rows):
-        for q in range(cols):
-            cf[_u(coff + r * ldc + q)] = tile[_u(r * nr + q)]
+    fma_tile(code, kcb, a_op, b_op, (tile, 0, nr), bias_op, (flags[0], flags[1], flags[2], flags[3], False),
+             mask_op)
+    if flags[1] and flags[4]:
+        mf, moff = mask_op
+        for r in range(rows):
+            for q in range(cols):
+                cf[_u(coff + r * ldc + q)] = relu_keep(tile[_u(r * nr + q)], mf[_u(moff + r * ldc + q)])
+    else:
+        for r in range(rows):
+            for q in range(cols):
+                cf[_u(coff + r * ldc + q)] = tile[_u(r * nr + q)]
 
 
 @jit(inline="always")
-def _sweep_tiles(code, a_src, b_src, cf, tile, biasp, blk, kpass, geo, mode):
+def prefetch_rows(flat, off, ld, rows, nbytes):
+    """Hint the `rows` rows of nbytes bytes from flat[off] (row stride ld elements) as soon read."""
+    for r in range(rows):
+        prefetch_l2(flat, off + r * ld, 0)
+        prefetch_l2(flat, off + r * ld, nbytes - 1)
+
+
+@jit(inline="always")
+def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
     """One K pass of one C block: the register tile over each of its MR x NR tiles.
 
-    a_src = (flat A, packed A block), b_src = (packed B panels, flat B), cf: flat C, tile: MR * NR
-    scratch for edge tiles, biasp: bias zero-padded to whole panels; blk = (i0, mcb, j0, ncb),
-    kpass = (p0, kcb), geo = (m, n, k, ps); mode = (a_inplace, ta, b_inplace, load, epi, use_bias,
-    relu).
+    a_src = (flat A, packed A block), b_src = (packed B panels, flat B), c_dst = (flat C, flat
+    mask laid out as C), tile: MR * NR scratch for edge tiles, biasp: bias zero-padded to whole
+    panels; blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (m, n, k, ps); mode = (a_inplace,
+    ta, b_inplace, load, epi, use_bias, relu, use_mask).
     """
     mr, nr = tile_dims(code)
     aflat, ap = a_src
     bp, bflat = b_src
+    cf, maskf = c_dst
     i0, mcb, j0, ncb = blk
     p0, kcb = kpass
     m, n, k, ps = geo
-    a_inplace, ta, b_inplace, load, epi, use_bias, relu = mode
-    flags = (load, epi, use_bias, relu)
+    a_inplace, ta, b_inplace, load, epi, use_bias, relu, use_mask = mode
+    masking = epi and use_mask
+    flags = (load, epi, use_bias, relu, masking)
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
         nrem = min(nr, n - jj)
@@ -229,11 +247,14 @@ def _sweep_tiles(code, a_src, b_src, cf, tile, biasp, blk, kpass, geo, mode):
                 a_op = (aflat, p0 * m + ii, m, 1) if ta else (aflat, ii * k + p0, 1, k)
             else:
                 a_op = (ap, ip * _a_panel(kcb, mr), mr, 1)
+            if masking:  # read at the tile's end: in flight while its K loop runs
+                prefetch_rows(maskf, ii * n + jj, n, mrem, nrem * 4)
             if mrem == mr and nrem == nr:
                 prefetch_c(cf, ii * n + jj, n, mr, nr * 4)
-                fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags)
+                fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, (maskf, ii * n + jj))
             else:
-                _edge_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, tile, mrem, nrem)
+                _edge_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, (maskf, ii * n + jj),
+                           tile, mrem, nrem)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -248,14 +269,15 @@ def _gemm_factory(spec: KernelSpec):
     CODE = tile_code(MR, NR, spec["vw"])
 
     @jit(parallel=True)
-    def gemm_kernel(a, b, c, bias, ws, dims, scale, blocks, flags):
+    def gemm_kernel(a, b, c, bias, mask, ws, dims, scale, blocks, flags):
         # a: (m, k) or (k, m) if ta; b: (k, n) or (n, k) if tb; c: (m, n) C-contiguous; bias: (n,)
-        # if use_bias; ws: float32 scratch; dims = (m, n, k); scale = (alpha, beta) float32;
-        # blocks = (mc, kc, nc); flags = (ta, tb, use_bias, relu)
+        # if use_bias; mask: (m, n) C-contiguous if use_mask; ws: float32 scratch; dims = (m, n,
+        # k); scale = (alpha, beta) float32; blocks = (mc, kc, nc); flags = (ta, tb, use_bias,
+        # relu, use_mask)
         m, n, k = dims
         alpha, beta = scale
         mc, kc, nc = blocks
-        ta, tb, use_bias, relu = flags
+        ta, tb, use_bias, relu, use_mask = flags
         npan = (n + NR - 1) // NR
         # Pack B into k-major NR-wide panels (panel p at p * ps) unless b_in_place: packed, one
         # aligned cache line per NR floats instead of lines split at B's row stride, and the copy
@@ -277,7 +299,7 @@ def _gemm_factory(spec: KernelSpec):
         biasp = np.zeros(npan * NR, np.float32)
         if use_bias:
             biasp[:n] = bias
-        cf, aflat = c.reshape(m * n), a.reshape(a.size)
+        cf, aflat, maskf = c.reshape(m * n), a.reshape(a.size), mask.reshape(mask.size)
         # A (not scaled) is read in place when plain row-major (MR row streams the prefetcher
         # follows), or transposed when each C block has one column panel (its packed copy would
         # be read only once)
@@ -296,8 +318,9 @@ def _gemm_factory(spec: KernelSpec):
             for pi in range(npc):
                 kpass = (pi * kc, min(kc, k - pi * kc))
                 _pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, MR)
-                mode = (a_inplace, ta, inplace, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu)
-                _sweep_tiles(CODE, (aflat, ap), (bp, bflat), cf, tile, biasp, blk, kpass, (m, n, k, ps), mode)
+                mode = (a_inplace, ta, inplace, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, use_mask)
+                _sweep_tiles(CODE, (aflat, ap), (bp, bflat), (cf, maskf), tile, biasp, blk, kpass, (m, n, k, ps),
+                             mode)
     return gemm_kernel
 
 
@@ -339,21 +362,28 @@ def transposed_buffer(size: int) -> np.ndarray:
 _DUMMY = np.zeros(1, np.float32)
 
 
-def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=False):
+_NO_MASK = np.zeros((1, 1), np.float32)
+
+
+def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=False, mask=None):
     """Run the driver with blocks = (mc, kc, nc) on validated, C-contiguous float32 arrays; c is
-    written and returned. A C of one row or column goes to the matrix-vector kernels instead."""
+    written and returned. mask: an array of c's shape; c is kept where mask > 0, else +0.0 (the
+    backward of a ReLU whose output is mask, in the epilogue). A C of one row or column goes to the
+    matrix-vector kernels instead."""
     m, n = c.shape
     if m == 0 or n == 0:
         return c
     if m == 1 or n == 1:  # a matrix-vector product: no tile would be more than one row or column full
-        return gemv_into(a, b, c, ta, tb, alpha=alpha, beta=beta, bias=bias, relu=relu)
+        gemv_into(a, b, c, ta, tb, alpha=alpha, beta=beta, bias=bias, relu=relu)
+        return c if mask is None else relu_mask_into(c, mask)
     k = a.shape[0] if ta else a.shape[1]
     isa = target_isa()
     mc, kc, nc = blocks
     mr, nr, _ = tile_for(isa)
     need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * (max(kc, 1) * mr + 16)
-    args = (a, b, c, _DUMMY if bias is None else bias, thread_buffer("ws", np.float32, need), (m, n, k),
-            (np.float32(alpha), np.float32(beta)), (mc, kc, nc), (bool(ta), bool(tb), bias is not None, bool(relu)))
+    args = (a, b, c, _DUMMY if bias is None else bias, _NO_MASK if mask is None else mask,
+            thread_buffer("ws", np.float32, need), (m, n, k), (np.float32(alpha), np.float32(beta)), (mc, kc, nc),
+            (bool(ta), bool(tb), bias is not None, bool(relu), mask is not None))
     kern = _kernel(isa)
     try:
         kern(*args)
@@ -402,6 +432,16 @@ def _transpose_kernel(src, dst, bias, use_bias, relu):
 
 
 # --------------------------------------------------------------------------- ReLU gradient
+
+
+@jit(parallel=True)
+def relu_mask_into(d, y):
+    """d = d where y > 0 else +0.0, in place (the backward of a ReLU whose output is y); d, y: C-
+    contiguous, same shape, float32 or uint16 bf16 bits. -> d."""
+    df, yf = d.reshape(d.size), y.reshape(y.size)
+    for i in prange(d.size):
+        put(df, i, relu_keep(widen(df[i]), widen(yf[i])))
+    return d
 
 _GRAD_CHUNKS = 16  # row chunks of the ReLU-gradient pass: a fixed count, so sums never depend on threads
 

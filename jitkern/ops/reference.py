@@ -47,12 +47,15 @@ def linear_forward(x, w, b=None, *, activation=None, out=None):
     return y.astype(np.float32)
 
 
-def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True):
-    """Gradients of linear_forward; dy, y: (N, M) -> dx (N, K) (None unless need_dx), dw (M, K), db (M,)."""
+def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, input_relu=False):
+    """Gradients of linear_forward; dy, y: (N, M) -> dx (N, K) (None unless need_dx), dw (M, K), db (M,).
+    input_relu: dx is +0.0 where x <= 0 (x a ReLU's output: the gradient at that ReLU's input)."""
     g = np.asarray(dy, np.float64)
     if activation == "relu":
         g = np.where(np.asarray(y) > 0, g, 0.0)
     dx = (g @ np.asarray(w, np.float64)).astype(np.float32) if need_dx else None
+    if need_dx and input_relu:
+        dx = np.where(np.asarray(x) > 0, dx, np.float32(0.0)).astype(np.float32)
     dw = g.T @ np.asarray(x, np.float64)
     db = g.sum(axis=0)
     return dx, dw.astype(np.float32), db.astype(np.float32)

@@ -103,7 +103,8 @@ def _factory(spec: KernelSpec):
                 for p in range(pfirst, pend):
                     for ip in range(kp // MR):
                         fma_tile(CODE, rows, (xa, p0 * kp + ip * MR, kp, 1), (gp, (p - pfirst) * rows * NR, NR),
-                                 (ct, ip * MR * ldc + p * NR, ldc), (nothing, 0), (p0 > 0, False, False, False))
+                                 (ct, ip * MR * ldc + p * NR, ldc), (nothing, 0), (p0 > 0, False, False, False, False),
+                                 (nothing, 0))
             for j in range(pfirst * NR, min(m, pend * NR)):
                 for r in range(k):
                     dw[_u(j), _u(r)] = ct[_u(r * ldc + j)]
