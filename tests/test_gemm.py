@@ -298,6 +298,22 @@ def test_gemm_mask_over_k_passes_blocks_and_edge_tiles(m, n, k, mc, kc, nc, seed
     np.testing.assert_array_equal(got.view(np.uint32), np.where(mask > 0, plain, np.float32(0.0)).view(np.uint32))
 
 
+@pytest.mark.parametrize("m,n", [(2048, 256), (7, 33), (2, 2)])
+@pytest.mark.parametrize("alpha", [1.0, -0.5])
+def test_k1_outer_product_path_with_every_epilogue(m, n, alpha):
+    # K = 1 (the click-logit layer's dx) runs as an outer product: C written once, NaN-filled first
+    rng = np.random.default_rng(m + n)
+    a, b, bias, mask = arrays(rng, m, 1), arrays(rng, 1, n), arrays(rng, n), relu_output(rng, m, n)
+    for kw in ({}, {"bias": bias}, {"bias": bias, "relu": True}, {"mask": mask}, {"bias": bias, "mask": mask}):
+        c = np.full((m, n), np.nan, np.float32)
+        got = G.gemm_into(a, b, c, False, False, G.shape_blocks({"mc": 12, "kc": 1}, m, n, 1, 1), alpha=alpha, **kw)
+        want = (np.float32(alpha) * a) * b  # one rounding of each product, as the register tile's
+        want = want + bias if "bias" in kw else want
+        want = np.maximum(want, 0) if kw.get("relu") else want
+        want = np.where(mask > 0, want, np.float32(0.0)) if "mask" in kw else want
+        np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
 def test_input_relu_needs_dx():
     f32 = np.ones((4, 3), np.float32)
     with pytest.raises(ValueError, match="input_relu=True masks dx, but need_dx is False"):

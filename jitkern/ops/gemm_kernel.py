@@ -27,7 +27,7 @@ from ..codegen.prefetch import prefetch_l2, prefetch_write
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.bf16 import relu_keep, widen
 from ..codegen.vec import addr_of, put, vtranspose16
-from .gemv_kernel import gemv_into
+from .gemv_kernel import gemv_into, outer_into
 
 log = logging.getLogger("jitkern")
 
@@ -377,6 +377,8 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
         gemv_into(a, b, c, ta, tb, alpha=alpha, beta=beta, bias=bias, relu=relu)
         return c if mask is None else relu_mask_into(c, mask)
     k = a.shape[0] if ta else a.shape[1]
+    if k == 1 and beta == 0.0:
+        return outer_into(a, b, c, alpha=alpha, bias=bias, relu=relu, mask=mask)
     isa = target_isa()
     mc, kc, nc = blocks
     mr, nr, _ = tile_for(isa)

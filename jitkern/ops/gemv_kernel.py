@@ -1,4 +1,5 @@
-"""The GEMM driver's thin case: C with one row or one column, i.e. a matrix-vector product.
+"""The GEMM driver's thin cases: C with one row or one column, i.e. a matrix-vector product, and
+a product over K = 1, i.e. an outer product.
 
 C = epilogue(alpha * op(A) @ op(B) + beta * C) with m == 1 or n == 1 is memory-bound: every
 element of the matrix operand is used once, so the register tile's packing and its MR x NR
@@ -15,6 +16,7 @@ import numpy as np
 from numba import prange
 
 from ..codegen import jit
+from ..codegen.bf16 import relu_keep
 
 _CHUNK = 256  # outputs per parallel task: a dot task streams 256 rows, an axpy task keeps 1 KiB of sums
 
@@ -78,4 +80,36 @@ def gemv_into(a, b, c, ta, tb, *, alpha, beta, bias, relu):
     args = (mat, vec, c.reshape(c.size), dummy, (np.float32(alpha), np.float32(beta)),
             (bias is not None, bstride, bool(relu)))
     (gemv_dot if dot else gemv_axpy)(*args)
+    return c
+
+
+@jit(parallel=True, fastmath=())  # no contraction: the product and the bias add round apart, as in the tile
+def _outer(u, v, c, bias, mask, alpha, flags):
+    """c[i, j] = epilogue((alpha * u[i]) * v[j]): the register tile's arithmetic for K = 1 and beta
+    = 0 (bit for bit), then bias, ReLU and mask as its epilogue; flags = (use_bias, relu, use_mask)."""
+    m, n = c.shape
+    cf, mf = c.reshape(m * n), mask.reshape(mask.size)
+    use_bias, relu, use_mask = flags
+    for t in prange((m + 15) // 16):
+        for i in range(t * 16, min(m, t * 16 + 16)):
+            s = alpha * u[i]
+            base = i * n
+            for j in range(n):
+                r = s * v[j]
+                if use_bias:
+                    r += bias[j]
+                if relu and r < 0:
+                    r = np.float32(0.0)
+                if use_mask:
+                    r = relu_keep(r, mf[np.uint64(base + j)])
+                cf[np.uint64(base + j)] = r
+
+
+def outer_into(a, b, c, *, alpha, bias, relu, mask):
+    """C (m, n) = epilogue(alpha * op(a) @ op(b)) over K = 1 (beta = 0), as gemm_into: C is written
+    once, row by row, instead of as register tiles that each run a one-step K loop. op(a)'s column
+    and op(b)'s row are contiguous whatever the transposition."""
+    dummy = c if mask is None else mask
+    _outer(a.reshape(a.size), b.reshape(b.size), c, c.reshape(c.size) if bias is None else bias, dummy,
+           np.float32(alpha), (bias is not None, bool(relu), mask is not None))
     return c
