@@ -218,8 +218,8 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
 
     a_src = (flat A, packed A block), b_src = (packed B panels, flat B), c_dst = (flat C, flat
     mask laid out as C), tile: MR * NR scratch for edge tiles, biasp: bias zero-padded to whole
-    panels; blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (m, n, k, ps); mode = (a_inplace,
-    ta, b_inplace, load, epi, use_bias, relu, use_mask).
+    panels; blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (m, n, k, ps, bp0: the first row of
+    B in its packed panels); mode = (a_inplace, ta, b_inplace, load, epi, use_bias, relu, use_mask).
     """
     mr, nr = tile_dims(code)
     aflat, ap = a_src
@@ -227,7 +227,7 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
     cf, maskf = c_dst
     i0, mcb, j0, ncb = blk
     p0, kcb = kpass
-    m, n, k, ps = geo
+    m, n, k, ps, bp0 = geo
     a_inplace, ta, b_inplace, load, epi, use_bias, relu, use_mask = mode
     masking = epi and use_mask
     flags = (load, epi, use_bias, relu, masking)
@@ -235,7 +235,7 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
         jj = jp * nr
         nrem = min(nr, n - jj)
         if not b_inplace:
-            b_op = (bp, jp * ps + p0 * nr, nr)
+            b_op = (bp, jp * ps + (p0 - bp0) * nr, nr)
         elif nrem < nr:  # the ragged last panel, packed alone
             b_op = (bp, p0 * nr, nr)
         else:
@@ -286,14 +286,20 @@ def _gemm_factory(spec: KernelSpec):
         # packed, zero-padded, into panel 0 of bp.
         inplace = b_in_place(tb, m, n, MR)
         packed = (1 if n % NR else 0) if inplace else npan
-        ps = k * NR + 16  # panel stride, one cache line more than needed: panels written side by
-        #                   side would otherwise sit 4 KiB-aliased and collide in L1 sets
+        npc = max(1, (k + kc - 1) // kc)
+        # A long K against a small C (a weight gradient: K is the batch) packs B one K pass at a
+        # time into one region that each pass rewrites while it is cached: B packed whole goes to
+        # lines long evicted, each store a miss to memory first; C's blocks, revisited per pass
+        # instead, are the smaller operand
+        by_pass = npc > 1 and not tb and not inplace and m < k
+        ps = (kc if by_pass else k) * NR + 16  # panel stride, one cache line more than needed: panels
+        #                                        side by side would otherwise collide in L1 sets
         bsize = npan * ps  # ws: [B panels (bsize) | one A block per task]
         bp, bflat = ws[:bsize], b.reshape(b.size)
         if tb:
             for p in prange(packed):
                 _pack_b_columns(bp, bflat, p, (n, k, ps), NR)
-        elif packed > 0:
+        elif packed > 0 and not by_pass:
             for kb in prange((k + 63) // 64):
                 _pack_b_rows(bp, bflat, kb, (n, k, ps), npan - packed, NR)
         biasp = np.zeros(npan * NR, np.float32)
@@ -305,23 +311,49 @@ def _gemm_factory(spec: KernelSpec):
         # be read only once)
         a_inplace = alpha == 1.0 and (not ta or nc <= NR)
         nib, njb = (m + mc - 1) // mc, (n + nc - 1) // nc
-        npc = max(1, (k + kc - 1) // kc)
-        for t in prange(nib * njb):
-            ib = t // njb
-            i0, j0 = ib * mc, (t - ib * njb) * nc
-            blk = (i0, min(mc, m - i0), j0, min(nc, n - j0))
-            apsize = (mc + MR - 1) // MR * _a_panel(max(kc, 1), MR)
-            ap = ws[bsize + t * apsize:bsize + (t + 1) * apsize]
-            tile = np.empty(MR * NR, np.float32)
-            if beta != 0.0 and beta != 1.0:
-                _scale_block(c, blk, beta)
+        apsize = (mc + MR - 1) // MR * _a_panel(max(kc, 1), MR)
+        srcs = (aflat, bp, bflat, c, cf, maskf, biasp)
+        mode = (alpha, beta, a_inplace, ta, inplace, use_bias, relu, use_mask)
+        geo = (m, n, k, mc, kc, nc, ps)
+        if not by_pass:
+            for t in prange(nib * njb):
+                _block_passes(CODE, srcs, ws[bsize + t * apsize:bsize + (t + 1) * apsize], t, (0, npc, npc, 0),
+                              geo, mode)
+        else:
             for pi in range(npc):
-                kpass = (pi * kc, min(kc, k - pi * kc))
-                _pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, MR)
-                mode = (a_inplace, ta, inplace, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, use_mask)
-                _sweep_tiles(CODE, (aflat, ap), (bp, bflat), (cf, maskf), tile, biasp, blk, kpass, (m, n, k, ps),
-                             mode)
+                p0 = pi * kc
+                rows = min(kc, k - p0)
+                for kb in prange((rows + 63) // 64):
+                    _pack_b_rows(bp, bflat[p0 * n:(p0 + rows) * n], kb, (n, rows, ps), 0, NR)
+                for t in prange(nib * njb):
+                    _block_passes(CODE, srcs, ws[bsize + t * apsize:bsize + (t + 1) * apsize], t,
+                                  (pi, pi + 1, npc, p0), geo, mode)
     return gemm_kernel
+
+
+@jit(inline="always")
+def _block_passes(code, srcs, ap, t, passes, geo, mode):
+    """K passes pa .. pb - 1 (of npc) of C block t (row block t // njb, column block t % njb): A
+    packed into ap per pass, then the tiles. srcs = (flat A, packed B, flat B, c, flat C, flat
+    mask, padded bias); passes = (pa, pb, npc, bp0: B's first row in its packed panels); geo = (m,
+    n, k, mc, kc, nc, ps); mode = (alpha, beta, a_inplace, ta, b_inplace, use_bias, relu, use_mask)."""
+    mr, nr = tile_dims(code)
+    aflat, bp, bflat, c, cf, maskf, biasp = srcs
+    pa, pb, npc, bp0 = passes
+    m, n, k, mc, kc, nc, ps = geo
+    alpha, beta, a_inplace, ta, inplace, use_bias, relu, use_mask = mode
+    njb = (n + nc - 1) // nc
+    ib = t // njb
+    i0, j0 = ib * mc, (t - ib * njb) * nc
+    blk = (i0, min(mc, m - i0), j0, min(nc, n - j0))
+    tile = np.empty(mr * nr, np.float32)
+    if pa == 0 and beta != 0.0 and beta != 1.0:
+        _scale_block(c, blk, beta)
+    for pi in range(pa, pb):
+        kpass = (pi * kc, min(kc, k - pi * kc))
+        _pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, mr)
+        flags = (a_inplace, ta, inplace, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, use_mask)
+        _sweep_tiles(code, (aflat, ap), (bp, bflat), (cf, maskf), tile, biasp, blk, kpass, (m, n, k, ps, bp0), flags)
 
 
 @functools.lru_cache(maxsize=None)
