@@ -40,8 +40,10 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
 
     kc: a kc x NR B micro-panel of about twice L1 (at most 512): the tile streams it in order,
     so the prefetcher keeps up from L2, and a long K loop amortises the C tile's load and store
-    per pass. Where B (or, for a C of one column panel, A's columns) is read in place, its kc rows
-    are as many strided streams: kept within PAGE_STREAMS pages. kc is then split evenly over K.
+    per pass. Where B is read in place, its kc rows are as many strided streams: kept within
+    PAGE_STREAMS pages. Where A's columns are (a C of one column panel), the next row tiles reread
+    the lines of those kc rows: they must stay in L2 even when their stride maps them to the same
+    sets (kc x A's row stride <= L2). kc is then split evenly over K.
 
     mc: the mc x kc A block (packed, or rows read in place) in a quarter of L2, which it shares
     with the B micro-panels and C: it is reused over every column panel of its C block. A sweep
@@ -55,8 +57,10 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     mr, nr, _ = tile_for(t.isa)
     kc0 = min(512, max(128, (2 * t.l1d) // (nr * 4) // 16 * 16))
     one_panel_dw = variant in ("linear_dw", "linear_dwt") and n <= nr  # A's columns read in place
-    if one_panel_dw or b_in_place(variant in ("linear_forward", "linear_forward_t"), m, n, mr):
-        kc0 = min(kc0, max(64, _rows_in_pages(PAGE_STREAMS, (m if one_panel_dw else n) * 4) // 16 * 16))
+    if one_panel_dw:
+        kc0 = min(kc0, max(64, t.l2 // (m * 4) // 16 * 16))
+    elif b_in_place(variant in ("linear_forward", "linear_forward_t"), m, n, mr):
+        kc0 = min(kc0, max(64, _rows_in_pages(PAGE_STREAMS, n * 4) // 16 * 16))
     passes = max(1, -(-k // kc0))
     kc = _round_to(-(-k // passes), 4)
     whole = _round_to(m, mr)

@@ -315,19 +315,15 @@ def _gemm_factory(spec: KernelSpec):
         srcs = (aflat, bp, bflat, c, cf, maskf, biasp)
         mode = (alpha, beta, a_inplace, ta, inplace, use_bias, relu, use_mask)
         geo = (m, n, k, mc, kc, nc, ps)
-        if not by_pass:
-            for t in prange(nib * njb):
-                _block_passes(CODE, srcs, ws[bsize + t * apsize:bsize + (t + 1) * apsize], t, (0, npc, npc, 0),
-                              geo, mode)
-        else:
-            for pi in range(npc):
-                p0 = pi * kc
+        for step in range(npc if by_pass else 1):  # one call site: the tile code is inlined once
+            passes = (step, step + 1, npc, step * kc) if by_pass else (0, npc, npc, 0)
+            if by_pass:
+                p0 = step * kc
                 rows = min(kc, k - p0)
                 for kb in prange((rows + 63) // 64):
                     _pack_b_rows(bp, bflat[p0 * n:(p0 + rows) * n], kb, (n, rows, ps), 0, NR)
-                for t in prange(nib * njb):
-                    _block_passes(CODE, srcs, ws[bsize + t * apsize:bsize + (t + 1) * apsize], t,
-                                  (pi, pi + 1, npc, p0), geo, mode)
+            for t in prange(nib * njb):
+                _block_passes(CODE, srcs, ws[bsize + t * apsize:bsize + (t + 1) * apsize], t, passes, geo, mode)
     return gemm_kernel
 
 
