@@ -167,14 +167,15 @@ _TILE = tile_code(4, 8, 4)  # a 4 x 8 tile of <4 x float> vectors: valid on ever
 
 
 @jit()
-def _one_tile(a, b, c, bias, geo, flags):
+def _one_tile(a, b, c, bias, mask, geo, flags):
     kc, aoff, ak, ar, boff, ldb, coff, ldc = geo
-    fma_tile(_TILE, kc, (a, aoff, ak, ar), (b, boff, ldb), (c, coff, ldc), (bias, 3), flags)
+    fma_tile(_TILE, kc, (a, aoff, ak, ar), (b, boff, ldb), (c, coff, ldc), (bias, 3), flags, (mask, coff))
 
 
 def test_fma_tile_strides_offsets_and_epilogue():
     """One register tile against NumPy: A read through (k, row) strides, B and C through row strides
-    at offsets, for every (load, epi, use_bias, relu); integer values, so exact."""
+    at offsets, for every (load, epi, use_bias, relu, use_mask); integer values, so exact. The mask
+    (C's layout) keeps C where it is > 0, else +0.0 (NaN masks too)."""
     mr, nr, kc = 4, 8, 5
     rng = np.random.default_rng(0)
     lda, ldb, ldc = 9, nr + 5, nr + 2
@@ -184,14 +185,18 @@ def test_fma_tile_strides_offsets_and_epilogue():
     bias = rng.integers(-9, 10, 3 + nr).astype(np.float32)
     A = a[2:2 + mr * lda].reshape(mr, lda)[:, :kc].astype(np.float64)
     B = b[7:7 + kc * ldb].reshape(kc, ldb)[:, :nr]
-    for flags in np.ndindex(2, 2, 2, 2):
-        load, epi, use_bias, relu = (bool(f) for f in flags)
+    mask = rng.integers(-1, 2, c0.size).astype(np.float32)
+    mask[5] = np.nan
+    keep = mask[1:1 + mr * ldc].reshape(mr, ldc)[:, :nr] > 0
+    for flags in np.ndindex(2, 2, 2, 2, 2):
+        load, epi, use_bias, relu, use_mask = (bool(f) for f in flags)
         c = c0.copy()
-        _one_tile(a, b, c, bias, (kc, 2, 1, lda, 7, ldb, 1, ldc), (load, epi, use_bias, relu))
+        _one_tile(a, b, c, bias, mask, (kc, 2, 1, lda, 7, ldb, 1, ldc), (load, epi, use_bias, relu, use_mask))
         want = A @ B + (c0[1:1 + mr * ldc].reshape(mr, ldc)[:, :nr] if load else 0)
         if epi:
             want = want + (bias[3:] if use_bias else 0)
             want = np.maximum(want, 0) if relu else want
+            want = np.where(keep, want, 0.0) if use_mask else want
         got = c[1:1 + mr * ldc].reshape(mr, ldc)
         np.testing.assert_array_equal(got[:, :nr], want, err_msg=str(flags))
         np.testing.assert_array_equal(got[:, nr:], c0[1:1 + mr * ldc].reshape(mr, ldc)[:, nr:])  # untouched
