@@ -13,6 +13,7 @@ import time
 from typing import Callable
 
 import numba
+import numpy as np
 
 from ..config import debug_level, get_config
 from . import cache
@@ -55,6 +56,14 @@ def jit(*, parallel: bool = False, fastmath=FASTMATH, inline: str = "never", nrt
             disp._cache = cache.StableKeyCache(disp.py_func)
         return disp
     return build
+
+
+
+@jit(inline="always")
+def uidx(i):
+    """An index as unsigned: numba then skips the negative-index wraparound, whose selects turn
+    contiguous copy loops into gathers and scatters and cost a shift, an and and an add per load."""
+    return np.uint64(i)
 
 
 def setup_logging() -> None:

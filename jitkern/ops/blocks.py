@@ -20,13 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..codegen import jit
+from ..codegen import jit, uidx as _u
 from . import _check
-
-
-@jit(inline="always")
-def _u(i):
-    return np.uint64(i)  # unsigned: no negative-index wraparound in the copy loops
 
 
 @jit()

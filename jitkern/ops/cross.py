@@ -24,7 +24,9 @@ from ..codegen.vec import put
 from . import _check, cross_bf16
 from .bf16 import BF16Array
 from .gemm import blocks_for, dw_variant, linear_forward, tile_shape
-from .gemm_kernel import gemm_into, thread_buffer, transpose_into
+from .gemm_kernel import gemm_into
+from .gemm_passes import transpose_into
+from .workspace import thread_buffer
 
 _CHUNKS = 16  # row chunks of the fused passes: a fixed count, so db's sums never depend on threads
 

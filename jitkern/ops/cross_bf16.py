@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from . import _check, gemm_bf16
 from .bf16 import BF16Array
-from .gemm_kernel import thread_buffer
+from .workspace import thread_buffer
 
 
 def check_layer(x0, xl, v, w, b):

@@ -20,7 +20,8 @@ from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
 from .gemm_bf16_kernel import bf16_tile, gemm_bf16_into, grad_buffer
-from .gemm_kernel import relu_grad, relu_mask_into, transpose_into, transposed_buffer
+from .gemm_passes import relu_grad, relu_mask_into, transpose_into
+from .workspace import transposed_buffer
 
 VARIANTS = ("gemm", "linear_forward", "linear_dx", "linear_dw", "linear_dwt")
 OUT_DTYPES = (None, "float32", "bfloat16")

@@ -21,7 +21,7 @@ import functools
 import numpy as np
 from numba import prange
 
-from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa, tunedb
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa, tunedb, uidx as _u
 from ..codegen.knobs import knob
 from ..codegen.peaks import bf16_peak_gflops, fma_peak_gflops
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
@@ -29,7 +29,8 @@ from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, d
 from ..config import choice_token
 from .gemm_bf16_pack import pair_pack_a_block, pair_pack_b_columns, pair_pack_b_rows, widen_pack_a_block, widen_pack_b
 from .gemm_blocking import split_for_threads
-from .gemm_kernel import _u, prefetch_c, thread_buffer
+from .gemm_kernel import prefetch_c
+from .workspace import thread_buffer
 
 
 # --------------------------------------------------------------------------- tiles

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..codegen import jit
+from ..codegen import jit, uidx as _u
 from ..codegen.simd_bf16 import widen_bf16
-from .gemm_kernel import _u, prefetch_run, rows_ahead
+from .gemm_kernel import prefetch_run, rows_ahead
 
 
 # --------------------------------------------------------------------------- native packing (k pairs)

@@ -17,26 +17,20 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 
 import numpy as np
 from numba import prange
 
-from ..codegen import KernelSpec, get_kernel, jit, kernel_factory, target_isa
+from ..codegen import KernelSpec, get_kernel, jit, kernel_factory, target_isa, uidx as _u
 from ..codegen.prefetch import prefetch_l2, prefetch_write
 from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
-from ..codegen.bf16 import relu_keep, widen
-from ..codegen.vec import addr_of, put, vtranspose16
+from ..codegen.bf16 import relu_keep
+from .gemm_passes import relu_mask_into
 from .gemv_kernel import gemv_into, outer_into
+from .workspace import thread_buffer
 
 log = logging.getLogger("jitkern")
 
-
-@jit(inline="always")
-def _u(i):
-    """An index as unsigned: numba then skips the negative-index wraparound, whose selects
-    otherwise turn contiguous copy loops into gathers and scatters."""
-    return np.uint64(i)
 
 
 # --------------------------------------------------------------------------- packing
@@ -358,35 +352,6 @@ def _kernel(isa: str):
     return get_kernel(KernelSpec.make("gemm", mr=mr, nr=nr, vw=vw))
 
 
-# --------------------------------------------------------------------------- workspace
-
-_SCRATCH = threading.local()
-
-
-def thread_buffer(name: str, dtype, size: int) -> np.ndarray:
-    """This thread's scratch `name` of `size` elements, 64-byte aligned, kept between calls (its
-    user is done with it before returning): multi-MB buffers allocated per call would pay their
-    page faults every time."""
-    buf = getattr(_SCRATCH, name, None)
-    if buf is None or buf.size < size:
-        raw = np.empty(max(size, 2 * (0 if buf is None else buf.size)) + 64, dtype)
-        skip = (-raw.ctypes.data % 64) // raw.itemsize
-        buf = raw[skip:skip + raw.size - 64]
-        setattr(_SCRATCH, name, buf)
-    return buf[:size]
-
-
-def grad_buffer(size: int) -> np.ndarray:
-    """This thread's buffer for the masked output gradient (consumed before linear_backward returns)."""
-    return thread_buffer("grad", np.float32, size)
-
-
-def transposed_buffer(size: int) -> np.ndarray:
-    """This thread's buffer for a GEMM result computed transposed (linear_forward_t, linear_dwt),
-    consumed by the transpose into the caller's array before the op returns."""
-    return thread_buffer("dwt", np.float32, size)
-
-
 _DUMMY = np.zeros(1, np.float32)
 
 
@@ -423,93 +388,3 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
         log.warning("gemm %s kernel failed to build (%s); using the portable scalar kernel", isa, e)
         _kernel("scalar")(*args)
     return c
-
-
-def transpose_into(src, dst, bias=None, relu=False):
-    """dst (n, m) = src (m, n).T, then (optionally) the linear epilogue dst = relu?(dst + bias)
-    with bias (m,): the output of a GEMM computed transposed, finished on its way out."""
-    _transpose_kernel(src, dst, _DUMMY if bias is None else bias, bias is not None, bool(relu))
-    return dst
-
-
-@jit(parallel=True)
-def _transpose_kernel(src, dst, bias, use_bias, relu):
-    # 16 x 16 blocks transposed in registers (rows of 16 floats loaded, columns stored as
-    # 16-float vectors), the epilogue on each block while it is in L1, ragged edges element-wise
-    m, n = src.shape
-    sf, df = src.reshape(m * n), dst.reshape(m * n)
-    rowaddr = addr_of(src) + 4 * n * np.arange(m, dtype=np.int64)  # byte address of each row of src
-    mb, nb = m // 16 * 16, n // 16 * 16
-    epi = use_bias or relu
-    for bi in prange((m + 15) // 16):
-        i0 = bi * 16
-        i1 = min(m, i0 + 16)
-        if i0 < mb:
-            for j0 in range(0, nb, 16):
-                vtranspose16(rowaddr, i0, 4 * j0, df, j0 * m + i0, m)
-        for j in range(0 if i0 >= mb else nb, n):
-            for i in range(i0, i1):
-                df[_u(j * m + i)] = sf[_u(i * n + j)]
-        if epi:
-            for j in range(n):
-                for i in range(i0, i1):
-                    v = df[_u(j * m + i)]
-                    if use_bias:
-                        v += bias[i]
-                    if relu and v < 0:  # ordered compare, as the tile epilogue: NaN stays NaN
-                        v = np.float32(0.0)
-                    df[_u(j * m + i)] = v
-
-
-# --------------------------------------------------------------------------- ReLU gradient
-
-
-@jit(parallel=True)
-def relu_mask_into(d, y):
-    """d = d where y > 0 else +0.0, in place (the backward of a ReLU whose output is y); d, y: C-
-    contiguous, same shape, float32 or uint16 bf16 bits. -> d."""
-    df, yf = d.reshape(d.size), y.reshape(y.size)
-    for i in prange(d.size):
-        put(df, i, relu_keep(widen(df[i]), widen(yf[i])))
-    return d
-
-_GRAD_CHUNKS = 16  # row chunks of the ReLU-gradient pass: a fixed count, so sums never depend on threads
-
-
-@jit(parallel=True)
-def relu_grad(dy, y, g, db, flags):
-    """g = dy where y > 0 else +0.0 (relu) or g = dy (write_g: a bf16 g from a float32 dy), db[j] =
-    sum_i of the unrounded g[i, j]; flags = (relu, write_g): g is written if either is set (else
-    dy is the GEMMs' operand as it is).
-
-    One pass hands both backward GEMMs a plain operand (read in place, no masked packing twice).
-    dy, y: (n, m) float32, or uint16 bf16 bits; g: (n, m) float32, or uint16 (rounded to bf16);
-    db: (m,) float32. Each chunk of rows sums its rows in order (float64), then the chunks are
-    added in order, so db never depends on the thread count.
-    """
-    relu, write_g = flags
-    n, m = dy.shape
-    dyf, yf, gf = dy.reshape(n * m), y.reshape(y.size), g.reshape(g.size)
-    part = np.zeros((_GRAD_CHUNKS, m), np.float64)
-    for c in prange(_GRAD_CHUNKS):
-        acc = part[c]
-        for i in range(c * n // _GRAD_CHUNKS, (c + 1) * n // _GRAD_CHUNKS):
-            row = i * m
-            if relu:  # bit arithmetic, not a select: vectorised on bf16 data too; NaN/inf in dy vanish
-                for j in range(m):  # where the unit was inactive
-                    v = relu_keep(widen(dyf[_u(row + j)]), widen(yf[_u(row + j)]))
-                    put(gf, _u(row + j), v)
-                    acc[_u(j)] += np.float64(v)
-            elif write_g:
-                for j in range(m):
-                    v = widen(dyf[_u(row + j)])
-                    put(gf, _u(row + j), v)
-                    acc[_u(j)] += np.float64(v)
-            else:
-                for j in range(m):
-                    acc[_u(j)] += np.float64(widen(dyf[_u(row + j)]))
-    for j in range(m):
-        t = 0.0
-        for c in range(_GRAD_CHUNKS):
-            t += part[c, j]
-        db[j] = t

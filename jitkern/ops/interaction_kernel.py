@@ -21,7 +21,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ..codegen import jit, kernel_factory
+from ..codegen import jit, kernel_factory, uidx as _u
 from ..codegen.bf16 import widen
 from ..codegen.vec import (
     addr_of,
@@ -145,12 +145,6 @@ def _gather_sample(buf, x, addrs, b, stride, T, D, Dp, W):
             for d in range(D):
                 buf[(t + 1) * Dp + d] = widen(row[d])
 
-
-@jit(inline="always")
-def _u(i):
-    """An index as unsigned: numba then skips the negative-index wraparound (a shift, an and and
-    an add per load in the tile loops)."""
-    return np.uint64(i)
 
 
 @jit(inline="always")

@@ -23,10 +23,11 @@ import numba
 import numpy as np
 from numba import prange
 
-from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa, uidx as _u
 from ..codegen.bf16 import relu_keep
 from ..codegen.simd import fma_tile, tile_code, tile_for
-from .gemm_kernel import _u, prefetch_run, rows_ahead, thread_buffer
+from .gemm_kernel import prefetch_run, rows_ahead
+from .workspace import thread_buffer
 
 log = logging.getLogger("jitkern")
 
