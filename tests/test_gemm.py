@@ -298,6 +298,30 @@ def test_gemm_mask_over_k_passes_blocks_and_edge_tiles(m, n, k, mc, kc, nc, seed
     np.testing.assert_array_equal(got.view(np.uint32), np.where(mask > 0, plain, np.float32(0.0)).view(np.uint32))
 
 
+@given(m=st.integers(1, 40), n=st.integers(2, 300), k=st.integers(2, 200), kc=st.sampled_from([4, 16, 64]), ta=st.booleans(),
+       alpha=st.sampled_from([1.0, -0.5]), beta=st.sampled_from([0.0, 1.0, -1.5]), bias=st.booleans(),
+       relu=st.booleans(), seed=st.integers(0, 99))
+def test_fused_b_pack_of_one_row_block_matches_b_packed_whole(m, n, k, kc, ta, alpha, beta, bias, relu, seed):
+    # a transposed B under one row block is packed panel by panel as the tiles need it (ragged
+    # panels zero-padded, each K pass its own slice); several row blocks pack it whole first.
+    # Both run the same FMA chains: identical bits, and the reference within rounding
+    m += G.tile_shape()[0]  # more rows than one tile: a second row block exists
+    rng = np.random.default_rng(seed)
+    a, b = arrays(rng, k, m) if ta else arrays(rng, m, k), arrays(rng, n, k)
+    c0, bv = arrays(rng, m, n), arrays(rng, n) if bias else None
+    kw = dict(alpha=alpha, beta=beta, bias=bv, relu=relu)
+    one = G.shape_blocks({"mc": m, "kc": kc}, m, n, k, 1)
+    many = G.shape_blocks({"mc": 1, "kc": kc}, m, n, k, 1)
+    assert one[0] >= m and many[0] < m
+    fused = G.gemm_into(a, b, c0.copy(), ta, True, one, **kw)
+    whole = G.gemm_into(a, b, c0.copy(), ta, True, many, **kw)
+    np.testing.assert_array_equal(fused.view(np.uint32), whole.view(np.uint32))
+    want = alpha * ((a.T if ta else a).astype(np.float64) @ b.T.astype(np.float64)) + beta * c0
+    want = want + bv if bias else want
+    want = np.maximum(want, 0) if relu else want
+    assert_close(fused, want.astype(np.float32), np.abs(a).max() * np.abs(b).max() * k + np.abs(c0).max() + 1, k)
+
+
 @pytest.mark.parametrize("m,n", [(2048, 256), (7, 33), (2, 2)])
 @pytest.mark.parametrize("alpha", [1.0, -0.5])
 def test_k1_outer_product_path_with_every_epilogue(m, n, alpha):

@@ -79,6 +79,14 @@ def _a_panel(kc, mr):
     return kc * mr + 16
 
 
+@jit()
+def task_floats(mc, kc, mr, nr):
+    """Workspace floats of one C block's task: its packed A block, rounded to whole cache lines,
+    then (nr > 0) one B panel of kc rows for the fused pack."""
+    asize = (mc + mr - 1) // mr * _a_panel(max(kc, 1), mr)
+    return (asize + 15) // 16 * 16 + (max(kc, 1) * nr + 16 if nr > 0 else 0)
+
+
 @jit(inline="always")
 def _pack_b_columns(bp, bflat, p, geo, nr):
     """Panel p of B when B is (n, k) (its rows are C columns): each row read along k, into the
@@ -116,6 +124,26 @@ def _pack_b_rows(bp, bflat, kb, geo, p_first, nr):
                     bp[_u(base + r)] = bflat[_u(col + r)]
                 for r in range(width, nr):
                     bp[_u(base + r)] = 0.0
+
+
+@jit(inline="always")
+def _pack_b_panel(bt, bflat, jp, kpass, geo, nr):
+    """Columns p0 .. p0 + kcb - 1 of rows jp * nr .. of B (n, k), i.e. panel jp of B^T's K-pass
+    slice, into bt (k-major, nr wide, columns past n zeroed), hinting the same slice of panel jp + 2
+    into L2: the fused pack, right before the tiles read it. geo = (n, k)."""
+    p0, kcb = kpass
+    n, k = geo
+    jj = jp * nr
+    ahead = jj + 2 * nr < n
+    for r in range(min(nr, n - jj)):
+        src = (jj + r) * k + p0
+        if ahead:
+            prefetch_run(bflat, src + 2 * nr * k, kcb * 4)
+        for kk in range(kcb):
+            bt[_u(kk * nr + r)] = bflat[_u(src + kk)]
+    for r in range(min(nr, n - jj), nr):
+        for kk in range(kcb):
+            bt[_u(kk * nr + r)] = 0.0
 
 
 @jit(inline="always")
@@ -213,7 +241,8 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
     a_src = (flat A, packed A block), b_src = (packed B panels, flat B), c_dst = (flat C, flat
     mask laid out as C), tile: MR * NR scratch for edge tiles, biasp: bias zero-padded to whole
     panels; blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (m, n, k, ps, bp0: the first row of
-    B in its packed panels); mode = (a_inplace, ta, b_inplace, load, epi, use_bias, relu, use_mask).
+    B in its packed panels); mode = (a_inplace, ta, b_inplace, b_fused, load, epi, use_bias, relu,
+    use_mask); b_fused: B is (n, k), each panel's K-pass slice packed into bp right before its tiles.
     """
     mr, nr = tile_dims(code)
     aflat, ap = a_src
@@ -222,13 +251,16 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
     i0, mcb, j0, ncb = blk
     p0, kcb = kpass
     m, n, k, ps, bp0 = geo
-    a_inplace, ta, b_inplace, load, epi, use_bias, relu, use_mask = mode
+    a_inplace, ta, b_inplace, b_fused, load, epi, use_bias, relu, use_mask = mode
     masking = epi and use_mask
     flags = (load, epi, use_bias, relu, masking)
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
         nrem = min(nr, n - jj)
-        if not b_inplace:
+        if b_fused:  # bp: this task's one-panel buffer
+            _pack_b_panel(bp, bflat, jp, kpass, (n, k), nr)
+            b_op = (bp, 0, nr)
+        elif not b_inplace:
             b_op = (bp, jp * ps + (p0 - bp0) * nr, nr)
         elif nrem < nr:  # the ragged last panel, packed alone
             b_op = (bp, p0 * nr, nr)
@@ -281,6 +313,12 @@ def _gemm_factory(spec: KernelSpec):
         inplace = b_in_place(tb, m, n, MR)
         packed = (1 if n % NR else 0) if inplace else npan
         npc = max(1, (k + kc - 1) // kc)
+        nib, njb = (m + mc - 1) // mc, (n + nc - 1) // nc
+        # A transposed B under one row block (a small batch's forward) packs each panel's K-pass
+        # slice right before its tiles, into the task's own buffer: the copy stays in L1 and its
+        # reads overlap the tiles of the panel before, where B packed whole is written out and read
+        # back (a B read by rows gains nothing so: its panel's rows are a row stride apart)
+        fused = tb and nib == 1
         # A long K against a small C (a weight gradient: K is the batch) packs B one K pass at a
         # time into one region that each pass rewrites while it is cached: B packed whole goes to
         # lines long evicted, each store a miss to memory first; C's blocks, revisited per pass
@@ -288,12 +326,12 @@ def _gemm_factory(spec: KernelSpec):
         by_pass = npc > 1 and not tb and not inplace and m < k
         ps = (kc if by_pass else k) * NR + 16  # panel stride, one cache line more than needed: panels
         #                                        side by side would otherwise collide in L1 sets
-        bsize = npan * ps  # ws: [B panels (bsize) | one A block per task]
+        bsize = 0 if fused else npan * ps  # ws: [B panels (bsize) | per task: an A block, a B panel]
         bp, bflat = ws[:bsize], b.reshape(b.size)
-        if tb:
+        if tb and not fused:
             for p in prange(packed):
                 _pack_b_columns(bp, bflat, p, (n, k, ps), NR)
-        elif packed > 0 and not by_pass:
+        elif not tb and packed > 0 and not by_pass:
             for kb in prange((k + 63) // 64):
                 _pack_b_rows(bp, bflat, kb, (n, k, ps), npan - packed, NR)
         biasp = np.zeros(npan * NR, np.float32)
@@ -304,10 +342,9 @@ def _gemm_factory(spec: KernelSpec):
         # follows), or transposed when each C block has one column panel (its packed copy would
         # be read only once)
         a_inplace = alpha == 1.0 and (not ta or nc <= NR)
-        nib, njb = (m + mc - 1) // mc, (n + nc - 1) // nc
-        apsize = (mc + MR - 1) // MR * _a_panel(max(kc, 1), MR)
+        tsize = task_floats(mc, kc, MR, NR)
         srcs = (aflat, bp, bflat, c, cf, maskf, biasp)
-        mode = (alpha, beta, a_inplace, ta, inplace, use_bias, relu, use_mask)
+        mode = (alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, use_mask)
         geo = (m, n, k, mc, kc, nc, ps)
         for step in range(npc if by_pass else 1):  # one call site: the tile code is inlined once
             passes = (step, step + 1, npc, step * kc) if by_pass else (0, npc, npc, 0)
@@ -317,21 +354,26 @@ def _gemm_factory(spec: KernelSpec):
                 for kb in prange((rows + 63) // 64):
                     _pack_b_rows(bp, bflat[p0 * n:(p0 + rows) * n], kb, (n, rows, ps), 0, NR)
             for t in prange(nib * njb):
-                _block_passes(CODE, srcs, ws[bsize + t * apsize:bsize + (t + 1) * apsize], t, passes, geo, mode)
+                _block_passes(CODE, srcs, ws[bsize + t * tsize:bsize + (t + 1) * tsize], t, passes, geo, mode)
     return gemm_kernel
 
 
 @jit(inline="always")
-def _block_passes(code, srcs, ap, t, passes, geo, mode):
+def _block_passes(code, srcs, region, t, passes, geo, mode):
     """K passes pa .. pb - 1 (of npc) of C block t (row block t // njb, column block t % njb): A
-    packed into ap per pass, then the tiles. srcs = (flat A, packed B, flat B, c, flat C, flat
-    mask, padded bias); passes = (pa, pb, npc, bp0: B's first row in its packed panels); geo = (m,
-    n, k, mc, kc, nc, ps); mode = (alpha, beta, a_inplace, ta, b_inplace, use_bias, relu, use_mask)."""
+    packed into the task's region per pass (and B's panels too if b_fused), then the tiles.
+    srcs = (flat A, packed B, flat B, c, flat C, flat mask, padded bias); passes = (pa, pb, npc, bp0: B's first row in its packed panels); geo = (m,
+    n, k, mc, kc, nc, ps); mode = (alpha, beta, a_inplace, ta, b_inplace, b_fused, use_bias, relu,
+    use_mask)."""
     mr, nr = tile_dims(code)
     aflat, bp, bflat, c, cf, maskf, biasp = srcs
     pa, pb, npc, bp0 = passes
     m, n, k, mc, kc, nc, ps = geo
-    alpha, beta, a_inplace, ta, inplace, use_bias, relu, use_mask = mode
+    alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, use_mask = mode
+    asize = task_floats(mc, kc, mr, 0)
+    ap = region[:asize]
+    if fused:
+        bp = region[asize:]
     njb = (n + nc - 1) // nc
     ib = t // njb
     i0, j0 = ib * mc, (t - ib * njb) * nc
@@ -342,7 +384,7 @@ def _block_passes(code, srcs, ap, t, passes, geo, mode):
     for pi in range(pa, pb):
         kpass = (pi * kc, min(kc, k - pi * kc))
         _pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, mr)
-        flags = (a_inplace, ta, inplace, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, use_mask)
+        flags = (a_inplace, ta, inplace, fused, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, use_mask)
         _sweep_tiles(code, (aflat, ap), (bp, bflat), (cf, maskf), tile, biasp, blk, kpass, (m, n, k, ps, bp0), flags)
 
 
@@ -375,7 +417,7 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     isa = target_isa()
     mc, kc, nc = blocks
     mr, nr, _ = tile_for(isa)
-    need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * -(-mc // mr) * (max(kc, 1) * mr + 16)
+    need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, mr, nr)
     args = (a, b, c, _DUMMY if bias is None else bias, _NO_MASK if mask is None else mask,
             thread_buffer("ws", np.float32, need), (m, n, k), (np.float32(alpha), np.float32(beta)), (mc, kc, nc),
             (bool(ta), bool(tb), bias is not None, bool(relu), mask is not None))
