@@ -125,10 +125,10 @@ def test_heuristic_and_thread_shaping(caches):
                                            ("linear_dw", 512, 13, 2048)])
 def test_heuristic_strided_streams(caches, variant, m, n, k):
     """The heuristic keeps strided rows within the prefetchers' reach: a column panel's strip of C
-    rows spans at most kc/2 pages of 4 KiB unless it is one register tile high or the whole of C
-    sits in half of L2; B read in place gives K passes of at most PAGE_STREAMS pages of rows (or
-    64), A's columns read in place (a C of one column panel) at most the rows of L2; a block is
-    never taller than C."""
+    rows spans at most max(kc/2, PAGE_STREAMS) pages of 4 KiB (and a short K's strip no fewer)
+    unless it is one register tile high or the whole of C sits in half of L2; B read in place
+    gives K passes of at most PAGE_STREAMS pages of rows (or 64), A's columns read in place (a C
+    of one column panel) at most the rows of L2; a block is never taller than C."""
     mr, _, _ = G.tile_shape()
     h = G.heuristic_blocks(variant, m, n, k)
     mc, kc = h["mc"], h["kc"]
@@ -136,7 +136,9 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
     rows_per_page = max(1, 4096 // (n * 4))
     whole_c = mc == G._round_to(m, mr) and m * n * 4 <= caches.l2 // 2
     if not whole_c and mc > mr:
-        assert -(-mc // rows_per_page) <= max(1, kc // 2)
+        assert -(-mc // rows_per_page) <= max(1, kc // 2, G.PAGE_STREAMS)
+    if mc < G._round_to(m, mr) and kc < 2 * G.PAGE_STREAMS:  # a short K loop: still a strip of PAGE_STREAMS
+        assert mc >= min(G.PAGE_STREAMS * rows_per_page - mr, (caches.l2 // 4) // (128 * 4) - mr, 512 // mr * mr)
     tb = variant.startswith("linear_forward")
     if G.b_in_place(tb, m, n, mr) and k > 64:
         assert kc <= max(64, G.PAGE_STREAMS * rows_per_page)

@@ -51,7 +51,8 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     with the B micro-panels and C: it is reused over every column panel of its C block. A sweep
     over one column panel stores a strip of mc C rows, each a stream the prefetchers must pick up
     within a tile's K loop: the strip spans at most kc/2 pages, so a short K loop gets a short
-    strip. One block takes all rows where they fit in 3/4 of L2 and all of C in half of L2 (B's
+    strip, but never fewer than PAGE_STREAMS pages (a K of 13 ran 8-19% slower on strips of a
+    few rows, and no faster from DRAM). One block takes all rows where they fit in 3/4 of L2 and all of C in half of L2 (B's
     panels then pass through once per K pass, not once per row block), or where A is read
     transposed in place (linear_dw/dwt with n <= NR): there is no A block to keep, and all of B's
     one panel streams through once per C block."""
@@ -69,7 +70,7 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     fits = whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2
     if fits or one_panel_dw:
         return {"mc": whole, "kc": kc}
-    mc = min((t.l2 // 4) // (max(kc, 128) * 4), _rows_in_pages(kc // 2, n * 4))
+    mc = min((t.l2 // 4) // (max(kc, 128) * 4), _rows_in_pages(max(kc // 2, PAGE_STREAMS), n * 4))
     return {"mc": max(mr, min(mc // mr * mr, 512 // mr * mr, whole)), "kc": kc}
 
 

@@ -81,10 +81,17 @@ def _a_panel(kc, mr):
 
 @jit()
 def task_floats(mc, kc, mr, nr):
-    """Workspace floats of one C block's task: its packed A block, rounded to whole cache lines,
-    then (nr > 0) one B panel of kc rows for the fused pack."""
-    asize = (mc + mr - 1) // mr * _a_panel(max(kc, 1), mr)
-    return (asize + 15) // 16 * 16 + (max(kc, 1) * nr + 16 if nr > 0 else 0)
+    """Workspace floats of one C block's task, each part in whole cache lines: the edge tiles'
+    MR x NR scratch, its packed A block, and one B panel of kc rows for the fused pack."""
+    return _task_parts(mc, kc, mr, nr)[2] + max(kc, 1) * nr + 16
+
+
+@jit(inline="always")
+def _task_parts(mc, kc, mr, nr):
+    """(offset of the A block, its floats, offset of the B panel) in a task's workspace."""
+    a0 = (mr * nr + 15) // 16 * 16
+    asize = ((mc + mr - 1) // mr * _a_panel(max(kc, 1), mr) + 15) // 16 * 16
+    return a0, asize, a0 + asize
 
 
 @jit(inline="always")
@@ -370,15 +377,15 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
     pa, pb, npc, bp0 = passes
     m, n, k, mc, kc, nc, ps = geo
     alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, use_mask = mode
-    asize = task_floats(mc, kc, mr, 0)
-    ap = region[:asize]
+    a0, asize, b0 = _task_parts(mc, kc, mr, nr)
+    tile = region[:mr * nr]  # scratch from the workspace: an allocation per task costs ~0.5 us
+    ap = region[a0:a0 + asize]
     if fused:
-        bp = region[asize:]
+        bp = region[b0:]
     njb = (n + nc - 1) // nc
     ib = t // njb
     i0, j0 = ib * mc, (t - ib * njb) * nc
     blk = (i0, min(mc, m - i0), j0, min(nc, n - j0))
-    tile = np.empty(mr * nr, np.float32)
     if pa == 0 and beta != 0.0 and beta != 1.0:
         _scale_block(c, blk, beta)
     for pi in range(pa, pb):
