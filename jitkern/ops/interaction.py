@@ -16,8 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 
-from ..codegen import KernelSpec, get_kernel, host_target
+from ..codegen import KernelSpec, get_kernel, host_target, tunedb
 from ..codegen.knobs import knob, pow2_class
+from ..config import choice_token
 from . import _check, interaction_kernel  # noqa: F401  (registers the dot kernels' factories)
 from .bf16 import BF16Array
 
@@ -85,6 +86,9 @@ def _over_batch(kernel, B, n, *args):
     for any thread count. Serial kernels driven from Python threads compile faster than numba
     parfors, which keeps the per-shape-class compile cost low.
     """
+    if n == 1:
+        kernel(0, B, *args)
+        return
     cuts = [B * k // n for k in range(n + 1)]
     futures = [_pool(n - 1, os.getpid()).submit(kernel, cuts[k], cuts[k + 1], *args) for k in range(1, n)]
     kernel(0, cuts[1], *args)
@@ -97,15 +101,24 @@ def _spec(op, F, D, W):
     return KernelSpec.make(op, F=F_, D=D_, W=W)
 
 
+_CHOSEN: dict = {}  # (op, B, F, D, threads, configuration, DB generation) -> (kernel, slices)
+
+
 def _run(op, B, F, D, *args):
     """op's kernel for F features of width D, over the batch, with the lanes and thread split the
-    knobs choose."""
-    kernel = get_kernel(_spec(op, F, D, LANES.choose((B, F, D))["lanes"]))
+    knobs choose (memoised per call shape, configuration and tuning-DB generation: the DLRM asks
+    twice a step, and at a small batch the choosing cost more than the kernel)."""
     threads = numba.get_num_threads()
-    n = 1
-    if threads > 1:
-        n = max(1, min(threads, B // PARALLEL.choose((B, F, D, threads))["min_per_thread"]))
-    _over_batch(kernel, B, n, *args)
+    key = (op, B, F, D, threads, choice_token(), tunedb.generation())
+    got = _CHOSEN.get(key)
+    if got is None:
+        if len(_CHOSEN) > 4096:
+            _CHOSEN.clear()
+        n = 1
+        if threads > 1:
+            n = max(1, min(threads, B // PARALLEL.choose((B, F, D, threads))["min_per_thread"]))
+        got = _CHOSEN[key] = (get_kernel(_spec(op, F, D, LANES.choose((B, F, D))["lanes"])), n)
+    _over_batch(got[0], B, got[1], *args)
 
 
 # --------------------------------------------------------------------------- knobs
