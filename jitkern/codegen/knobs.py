@@ -110,6 +110,24 @@ def get(name: str) -> Knob:
         raise KeyError(f"no knob named {name!r}; declared: {sorted(_REGISTRY)}") from None
 
 
+def memo_choices(fn):
+    """fn(*key) memoised per key, configuration (choice_token) and tuning-DB generation: for what
+    an op derives from knob choices on every call (blocks, a kernel), so a tuned or forced choice
+    takes effect at once while the calls between pay a dict lookup. Bounded: cleared at 4096."""
+    memo: dict = {}
+
+    def chosen(*key):
+        full = (key, choice_token(), tunedb.generation())
+        got = memo.get(full)
+        if got is None:
+            if len(memo) > 4096:
+                memo.clear()
+            got = memo[full] = fn(*key)
+        return got
+    chosen.cache_clear = memo.clear
+    return chosen
+
+
 def pow2_class(*dims: int) -> str:
     """Bucket dims to powers of two ("2048x1024x16"): one tuned entry serves similar shapes."""
     return "x".join(str(1 << max(0, int(d) - 1).bit_length()) for d in dims)

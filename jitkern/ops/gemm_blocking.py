@@ -4,8 +4,7 @@ and the GEMMs a workload's linear layers pose, and the per-call memo of chosen b
 no kernel here."""
 from __future__ import annotations
 
-from ..codegen import tunedb
-from ..config import choice_token
+from ..codegen.knobs import memo_choices
 
 
 def round_to(x: int, m: int) -> int:
@@ -83,16 +82,11 @@ def layer_problems(variant: str, tile, precision: str = "fp32", transposed=None)
 class BlockChoices:
     """blocks_for(variant, m, n, k, threads) -> (mc, kc, nc) for one call: the family's knob choice
     (tuned or heuristic) shaped for the threads by `shape`, memoised per call shape, configuration
-    and tuning-DB generation (a GEMM call asks for its blocks every time)."""
+    and tuning-DB generation (codegen.knobs.memo_choices: a GEMM call asks for its blocks every time)."""
 
     def __init__(self, knobs: dict, shape):
-        self.knobs, self.shape, self.memo = knobs, shape, {}
+        self.knobs, self.shape = knobs, shape
+        self._chosen = memo_choices(lambda v, m, n, k, t: shape(knobs[v].choose((m, n, k, t)), m, n, k, t))
 
     def __call__(self, variant: str, m: int, n: int, k: int, threads: int) -> tuple[int, int, int]:
-        key = (variant, m, n, k, threads, choice_token(), tunedb.generation())
-        got = self.memo.get(key)
-        if got is None:
-            if len(self.memo) > 4096:
-                self.memo.clear()
-            got = self.memo[key] = self.shape(self.knobs[variant].choose((m, n, k, threads)), m, n, k, threads)
-        return got
+        return self._chosen(variant, m, n, k, threads)

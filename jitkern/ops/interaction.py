@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numba
 import numpy as np
 
-from ..codegen import KernelSpec, get_kernel, host_target, tunedb
-from ..codegen.knobs import knob, pow2_class
-from ..config import choice_token
+from ..codegen import KernelSpec, get_kernel, host_target
+from ..codegen.knobs import knob, memo_choices, pow2_class
 from . import _check, interaction_kernel  # noqa: F401  (registers the dot kernels' factories)
 from .bf16 import BF16Array
 
@@ -101,24 +100,21 @@ def _spec(op, F, D, W):
     return KernelSpec.make(op, F=F_, D=D_, W=W)
 
 
-_CHOSEN: dict = {}  # (op, B, F, D, threads, configuration, DB generation) -> (kernel, slices)
+@memo_choices
+def _chosen(op, B, F, D, threads):
+    """(kernel, batch slices) of op for this call shape: at a small batch the choosing costs more
+    than the kernel, and the DLRM asks twice a step."""
+    n = 1
+    if threads > 1:
+        n = max(1, min(threads, B // PARALLEL.choose((B, F, D, threads))["min_per_thread"]))
+    return get_kernel(_spec(op, F, D, LANES.choose((B, F, D))["lanes"])), n
 
 
 def _run(op, B, F, D, *args):
     """op's kernel for F features of width D, over the batch, with the lanes and thread split the
-    knobs choose (memoised per call shape, configuration and tuning-DB generation: the DLRM asks
-    twice a step, and at a small batch the choosing cost more than the kernel)."""
-    threads = numba.get_num_threads()
-    key = (op, B, F, D, threads, choice_token(), tunedb.generation())
-    got = _CHOSEN.get(key)
-    if got is None:
-        if len(_CHOSEN) > 4096:
-            _CHOSEN.clear()
-        n = 1
-        if threads > 1:
-            n = max(1, min(threads, B // PARALLEL.choose((B, F, D, threads))["min_per_thread"]))
-        got = _CHOSEN[key] = (get_kernel(_spec(op, F, D, LANES.choose((B, F, D))["lanes"])), n)
-    _over_batch(got[0], B, got[1], *args)
+    knobs choose."""
+    kernel, n = _chosen(op, B, F, D, numba.get_num_threads())
+    _over_batch(kernel, B, n, *args)
 
 
 # --------------------------------------------------------------------------- knobs
