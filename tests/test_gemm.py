@@ -298,8 +298,8 @@ def test_gemm_mask_over_k_passes_blocks_and_edge_tiles(m, n, k, mc, kc, nc, seed
     np.testing.assert_array_equal(got.view(np.uint32), np.where(mask > 0, plain, np.float32(0.0)).view(np.uint32))
 
 
-@given(m=st.integers(1, 40), n=st.integers(2, 300), k=st.integers(2, 200), kc=st.sampled_from([4, 16, 64]), ta=st.booleans(),
-       alpha=st.sampled_from([1.0, -0.5]), beta=st.sampled_from([0.0, 1.0, -1.5]), bias=st.booleans(),
+@given(m=st.integers(1, 40), n=st.integers(2, 300), k=st.integers(2, 200), kc=st.sampled_from([4, 16, 64]),
+       ta=st.booleans(), alpha=st.sampled_from([1.0, -0.5]), beta=st.sampled_from([0.0, 1.0, -1.5]), bias=st.booleans(),
        relu=st.booleans(), seed=st.integers(0, 99))
 def test_fused_b_pack_of_one_row_block_matches_b_packed_whole(m, n, k, kc, ta, alpha, beta, bias, relu, seed):
     # a transposed B under one row block is packed panel by panel as the tiles need it (ragged

@@ -58,7 +58,6 @@ def jit(*, parallel: bool = False, fastmath=FASTMATH, inline: str = "never", nrt
     return build
 
 
-
 @jit(inline="always")
 def uidx(i):
     """An index as unsigned: numba then skips the negative-index wraparound, whose selects turn

@@ -141,10 +141,9 @@ def _pack_b_panel(bt, bflat, jp, kpass, geo, nr):
     p0, kcb = kpass
     n, k = geo
     jj = jp * nr
-    ahead = jj + 2 * nr < n
     for r in range(min(nr, n - jj)):
         src = (jj + r) * k + p0
-        if ahead:
+        if jj + r + 2 * nr < n:
             prefetch_run(bflat, src + 2 * nr * k, kcb * 4)
         for kk in range(kcb):
             bt[_u(kk * nr + r)] = bflat[_u(src + kk)]
@@ -369,9 +368,9 @@ def _gemm_factory(spec: KernelSpec):
 def _block_passes(code, srcs, region, t, passes, geo, mode):
     """K passes pa .. pb - 1 (of npc) of C block t (row block t // njb, column block t % njb): A
     packed into the task's region per pass (and B's panels too if b_fused), then the tiles.
-    srcs = (flat A, packed B, flat B, c, flat C, flat mask, padded bias); passes = (pa, pb, npc, bp0: B's first row in its packed panels); geo = (m,
-    n, k, mc, kc, nc, ps); mode = (alpha, beta, a_inplace, ta, b_inplace, b_fused, use_bias, relu,
-    use_mask)."""
+    srcs = (flat A, packed B, flat B, c, flat C, flat mask, padded bias); passes = (pa, pb, npc,
+    bp0: B's first row in its packed panels); geo = (m, n, k, mc, kc, nc, ps); mode = (alpha, beta,
+    a_inplace, ta, b_inplace, b_fused, use_bias, relu, use_mask)."""
     mr, nr = tile_dims(code)
     aflat, bp, bflat, c, cf, maskf, biasp = srcs
     pa, pb, npc, bp0 = passes
