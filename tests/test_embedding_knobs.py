@@ -100,7 +100,9 @@ def test_heuristics_are_the_choices_before_knobs():
     assert {k for k in knobs.registered() if k.startswith("embedding.")} == {
         "embedding.forward.prefetch", "embedding.update.prefetch.sgd", "embedding.update.prefetch.adagrad",
         "embedding.parallel.forward", "embedding.parallel.sgd", "embedding.parallel.adagrad",
-        "embedding.bf16.widen.forward", "embedding.bf16.widen.sgd", "embedding.quantized.prefetch"}
+        "embedding.bf16.widen.forward", "embedding.bf16.widen.sgd", "embedding.quantized.prefetch",
+        "embedding.forward.columns"}
+    assert forward.COLUMNS.heuristic(p(64)) == _knobs.columns_heuristic(p(64))
 
 
 @pytest.mark.parametrize("isa, dim, scheme, split", [("avx512", 128, "shuffle", "shuffle"),
@@ -115,6 +117,45 @@ def test_bf16_rows_widen_by_a_cross_lane_shuffle_only_with_avx512(isa, dim, sche
     problem = (1 << 20, dim, 20, 2048, 2, 1)
     assert forward.WIDEN.heuristic(problem) == {"scheme": scheme}
     assert sgd.WIDEN.heuristic(problem) == {"scheme": split}
+
+
+@pytest.mark.parametrize("isa, dim, cols", [("avx512", 128, 1), ("avx2", 128, 2), ("avx2", 64, 1), ("avx2", 100, 1),
+                                            ("neon", 128, 2), ("neon", 64, 1), ("scalar", 128, 1)])
+def test_forward_pools_in_column_blocks_when_the_accumulator_fills_the_registers(isa, dim, cols, monkeypatch):
+    # a choice, no kernel: the fewest blocks whose accumulator takes at most half the registers
+    # (AVX2: 16 of 8 floats, AVX-512: 32 of 16, NEON: 32 of 4); the generic width has one block
+    monkeypatch.setattr(_knobs, "target_isa", lambda: isa)
+    for itemsize in (4, 2):
+        problem = (1 << 20, dim, 20, 2048, itemsize, 1)
+        assert forward.COLUMNS.heuristic(problem) == {"cols": cols}
+        assert {"cols": cols} in forward.COLUMNS.candidates(problem, True)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_every_column_split_pools_the_same_bits(bf16, db, one_thread):
+    """Column blocks change which registers hold a bag's sum, not the order of its additions: at
+    D=128 (where AVX2 splits), weighted, mean and empty bags, every candidate gives the same bits
+    as one block, and the reference's sums to rounding."""
+    dim = 128
+    w, idx, off, _, psw = _batch(5, dim=dim, weighted=True)
+    off = off.copy()
+    off[4] = off[3]  # bag 3 empty
+    table = SplitBF16Table.from_float32(w) if bf16 else w
+    problem = (ROWS, dim, POOLING, BATCH, 2 if bf16 else 4, 1)
+    cands = forward.COLUMNS.candidates(problem, False)
+    assert len(cands) > 1
+    seen = []
+    for params in cands:
+        tunedb.store(forward.COLUMNS.name, forward.COLUMNS.shape_class(problem), params)
+        seen.append([embedding_bag_forward(table, idx, off, mode=mode, per_sample_weights=p).view(np.uint32)
+                     for mode, p in (("sum", psw), ("mean", None))])
+    for got in seen[1:]:
+        for a, b in zip(got, seen[0]):
+            np.testing.assert_array_equal(a, b)
+    rows = reference.bf16_to_float32(table.hi) if bf16 else w
+    want = reference.embedding_bag_forward(rows, idx, off, per_sample_weights=psw)
+    np.testing.assert_allclose(seen[0][0].view(np.float32), want, rtol=1e-5, atol=1e-4)
+    assert not seen[0][1].view(np.float32)[3].any()  # the empty bag
 
 
 @pytest.mark.parametrize("dim", [16, 32, 128])
@@ -160,7 +201,8 @@ def test_every_split_scheme_is_exact_fp32_sgd_at_every_width(dim, db, one_thread
 
 @pytest.mark.parametrize("name, bf16", [("embedding.forward.prefetch", False), ("embedding.update.prefetch.sgd", False),
                                         ("embedding.update.prefetch.adagrad", False),
-                                        ("embedding.bf16.widen.forward", True), ("embedding.bf16.widen.sgd", True)])
+                                        ("embedding.bf16.widen.forward", True), ("embedding.bf16.widen.sgd", True),
+                                        ("embedding.forward.columns", False), ("embedding.forward.columns", True)])
 def test_every_candidate_computes_the_default_results(name, bf16, db, one_thread):
     knob = knobs.get(name)
     problem = (ROWS, DIM, POOLING, BATCH, 2 if bf16 else 4, 1)
@@ -187,12 +229,13 @@ def test_tuned_entries_reach_the_kernels(db, one_thread, monkeypatch, caplog):
     problem = (ROWS, DIM, POOLING, BATCH, 4, 1)
     tunedb.store("embedding.forward.prefetch", _knobs.shape_class(problem), {"distance": 16, "hint": "nta"})
     tunedb.store("embedding.update.prefetch.sgd", _knobs.shape_class(problem), {"distance": 64})
+    tunedb.store("embedding.forward.columns", _knobs.shape_class(problem), {"cols": 2})
     w, idx, off, dout, _ = _batch()
     monkeypatch.setenv("JITKERN_DEBUG", "1")
     with caplog.at_level("DEBUG", logger="jitkern"):
         embedding_bag_forward(w, idx, off)
         embedding_bag_sgd_(w, idx, off, dout, 0.1)
-    assert "embedding_bag_forward[float32](D=64,bf16=False,hint=nta,pf=16,serial=True" in caplog.text
+    assert "embedding_bag_forward[float32](D=64,bf16=False,cols=2,hint=nta,pf=16,serial=True" in caplog.text
     assert "embedding_bag_sgd[float32](D=64,bf16=False,parallel=False,pf=64," in caplog.text
     assert adagrad._kernels(ROWS, DIM, 1, POOLING * BATCH, BATCH)[:2] == (8192, 32)
     tunedb.store("embedding.update.prefetch.adagrad", _knobs.shape_class(problem), {"distance": 32, "link": 8})
@@ -232,7 +275,8 @@ def test_tuner_stores_embedding_entries(db):
     results = tune.tune(WORKLOAD, quick=True, select="embedding.*", min_time=0, out=None)
     names = {r.knob for r in results}
     assert names == {"embedding.forward.prefetch", "embedding.update.prefetch.sgd", "embedding.update.prefetch.adagrad",
-                     "embedding.parallel.forward", "embedding.parallel.sgd", "embedding.parallel.adagrad"}
+                     "embedding.parallel.forward", "embedding.parallel.sgd", "embedding.parallel.adagrad",
+                     "embedding.forward.columns"}
     stored = tunedb.entries()
     cls = _knobs.shape_class((ROWS, DIM, POOLING, BATCH, 4, 1))
     for r in results:

@@ -159,35 +159,45 @@ def _splat(context, builder, value, valty, n):
                                   ir.Constant(ir.VectorType(ir.IntType(32), n), [0] * n))
 
 
+def _col_ptr(context, builder, aryty, ary, rowty, row, col, colty):
+    """Pointer to ary[row, col] of a C-contiguous 2-D array."""
+    base = _row_ptr(context, builder, aryty, ary, rowty, row)
+    elem = context.get_value_type(aryty.dtype).as_pointer()
+    return builder.gep(builder.bitcast(base, elem), [context.cast(builder, col, colty, types.intp)])
+
+
 def _row_op(accumulate):
-    """dst[i, :n] (+)= scale * src[j, :n] as whole <n x float> operations (plain IEEE mul and add)."""
-    def impl(typingctx, dst, i, src, j, scale, n, widen):
+    """dst[i, :n] (+)= scale * src[j, c:c + n] as whole <n x float> operations (plain IEEE mul and
+    add)."""
+    def impl(typingctx, dst, i, src, j, c, scale, n, widen):
         if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,)) and _is_table(src)
-                and isinstance(scale, (types.Float, types.Integer)) and _scheme(widen) is not None):
+                and isinstance(c, types.Integer) and isinstance(scale, (types.Float, types.Integer))
+                and _scheme(widen) is not None):
             return None
         size, scheme = n.literal_value, _scheme(widen)
 
         def codegen(context, builder, sig, args):
             if size == 0:  # the generic kernel's never-taken branch
                 return context.get_dummy_value()
-            dsty, ity, srcty, jty, sty = sig.args[:5]
+            dsty, ity, srcty, jty, cty, sty = sig.args[:6]
             dptr = builder.bitcast(_row_ptr(context, builder, dsty, args[0], ity, args[1]),
                                    ir.VectorType(_F32, size).as_pointer())
-            val = builder.fmul(_load_row(builder, _row_ptr(context, builder, srcty, args[2], jty, args[3]),
-                                         srcty.dtype, size, scheme), _splat(context, builder, args[4], sty, size))
+            src = _col_ptr(context, builder, srcty, args[2], jty, args[3], args[4], cty)
+            val = builder.fmul(_load_row(builder, src, srcty.dtype, size, scheme),
+                               _splat(context, builder, args[5], sty, size))
             if accumulate:
                 val = builder.fadd(builder.load(dptr, align=4), val)
             builder.store(val, dptr, align=4)
             return context.get_dummy_value()
-        return types.none(dst, i, src, j, scale, n, widen), codegen
+        return types.none(dst, i, src, j, c, scale, n, widen), codegen
     return impl
 
 
 row_axpy = intrinsic(_row_op(accumulate=True))
-row_axpy.__doc__ = """dst[i, :n] += scale * src[j, :n] (src float32, or bf16 bits widened by scheme `widen`); n and
+row_axpy.__doc__ = """dst[i, :n] += scale * src[j, c:c + n] (src float32, or bf16 bits widened by scheme `widen`); n and
 widen compile-time constants."""
 row_set = intrinsic(_row_op(accumulate=False))
-row_set.__doc__ = """dst[i, :n] = scale * src[j, :n] (src float32, or bf16 bits widened by scheme `widen`); n and
+row_set.__doc__ = """dst[i, :n] = scale * src[j, c:c + n] (src float32, or bf16 bits widened by scheme `widen`); n and
 widen compile-time constants."""
 
 
@@ -234,10 +244,10 @@ def row_split_axpy(typingctx, hi, lo, i, src, j, scale, n, widen):
 
 
 @intrinsic
-def row_set_from(typingctx, dst, i, src, j, scale, n, widen):
-    """dst[i, :n] = scale * src[j, :n] for a src row in the order bf16 widening `widen` left it
+def row_set_from(typingctx, dst, i, c, src, j, scale, n, widen):
+    """dst[i, c:c + n] = scale * src[j, :n] for a src row in the order bf16 widening `widen` left it
     (PARITY: parity_order, put back in row order; else unchanged); n and widen compile-time."""
-    if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,))
+    if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,)) and isinstance(c, types.Integer)
             and _is_table(src, (types.float32,)) and isinstance(scale, (types.Float, types.Integer))
             and _scheme(widen) is not None):
         return None
@@ -248,15 +258,15 @@ def row_set_from(typingctx, dst, i, src, j, scale, n, widen):
     def codegen(context, builder, sig, args):
         if size == 0:
             return context.get_dummy_value()
-        dsty, ity, srcty, jty, sty = sig.args[:5]
-        v = _load_row(builder, _row_ptr(context, builder, srcty, args[2], jty, args[3]), types.float32, size)
+        dsty, ity, cty, srcty, jty, sty = sig.args[:6]
+        v = _load_row(builder, _row_ptr(context, builder, srcty, args[3], jty, args[4]), types.float32, size)
         if back:
             v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), size), back))
-        dptr = builder.bitcast(_row_ptr(context, builder, dsty, args[0], ity, args[1]),
+        dptr = builder.bitcast(_col_ptr(context, builder, dsty, args[0], ity, args[1], args[2], cty),
                                ir.VectorType(_F32, size).as_pointer())
-        builder.store(builder.fmul(v, _splat(context, builder, args[4], sty, size)), dptr, align=4)
+        builder.store(builder.fmul(v, _splat(context, builder, args[5], sty, size)), dptr, align=4)
         return context.get_dummy_value()
-    return types.none(dst, i, src, j, scale, n, widen), codegen
+    return types.none(dst, i, c, src, j, scale, n, widen), codegen
 
 
 @intrinsic

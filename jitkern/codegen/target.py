@@ -19,6 +19,8 @@ from ..config import choice_token, get_config
 
 # floats per SIMD register for each ISA we emit vector code for
 VECTOR_WIDTH = {"avx512": 16, "avx2": 8, "neon": 4, "scalar": 1}
+# and SIMD registers per core: what a kernel can keep resident before LLVM spills to the stack
+VECTOR_REGISTERS = {"avx512": 32, "avx2": 16, "neon": 32, "scalar": 16}
 # LLVM features that belong to each lowered ISA's absence: masked out when JITKERN_ISA lowers it
 _AVX512_PREFIX = "avx512"
 

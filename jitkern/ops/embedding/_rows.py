@@ -142,26 +142,26 @@ def entry_scale(psw, j, mean, size):
 
 
 @jit(inline="always")
-def add_row(dst, i, src, j, sc, D, DC, first, scheme):
-    """dst[i] = sc * src[j] if first else dst[i] + sc * src[j]; one vector op when DC (= D) is set.
-    src: float32, or bf16 bits widened by `scheme` (codegen.rowvec)."""
+def add_row(dst, i, src, j, c, sc, D, DC, first, scheme):
+    """dst[i, :D] = sc * src[j, c:c + D] if first else dst[i, :D] + sc * src[j, c:c + D]; one
+    vector op when DC (= D) is set. src: float32, or bf16 bits widened by `scheme` (codegen.rowvec)."""
     if DC:
         if first:
-            row_set(dst, i, src, j, sc, DC, scheme)
+            row_set(dst, i, src, j, c, sc, DC, scheme)
         else:
-            row_axpy(dst, i, src, j, sc, DC, scheme)
+            row_axpy(dst, i, src, j, c, sc, DC, scheme)
     elif first:
         for d in range(D):
-            dst[i, d] = widen(src[j, d]) * sc
+            dst[i, d] = widen(src[j, c + d]) * sc
     else:
         for d in range(D):
-            dst[i, d] += widen(src[j, d]) * sc
+            dst[i, d] += widen(src[j, c + d]) * sc
 
 
 @jit(inline="always")
 def madd_row(dst, i, src, j, sc, D, DC, first):
     """add_row for a float32 src."""
-    add_row(dst, i, src, j, sc, D, DC, first, SHUFFLE)
+    add_row(dst, i, src, j, 0, sc, D, DC, first, SHUFFLE)
 
 
 @jit(inline="always")

@@ -27,6 +27,8 @@ from .._check import float_array
 from ._knobs import (
     NEVER,
     call_problem,
+    columns_candidates,
+    columns_heuristic,
     crossover,
     cycle,
     draw_batches,
@@ -51,21 +53,27 @@ _STRICT = frozenset()
 
 
 @functools.lru_cache(maxsize=None)
-def _pooler(DC, PF, LOC, SCHEME, ITEM):
+def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS):
     """pool(weight, bags, out, b0, b1) for compile-time width DC (0: runtime D), prefetch distance PF
-    and locality LOC, bf16 widening scheme SCHEME and ITEM bytes per table element."""
+    and locality LOC, bf16 widening scheme SCHEME, ITEM bytes per table element, and COLS column
+    blocks: each bag is pooled COLS times, DC // COLS columns at a time, so that the accumulator and
+    its operands fit in the vector registers (a bag's rows are cached after the first block)."""
+    W = DC // COLS
 
     @jit(inline="always", fastmath=_STRICT)
-    def pool_bag(acc, weight, indices, psw, s, e, D, weighted):
-        """acc[0] = sum of psw[j] * weight[indices[j]] over j in [s, e), prefetching PF entries ahead.
-        Takes the arrays, not the bags tuple: unpacking a tuple here costs NRT reference counts
-        (atomic calls) per bag, 2-7x the whole gather at pooling 1 in serially compiled code."""
+    def pool_bag(acc, weight, indices, psw, s, e, D, c, weighted, fetch):
+        """acc[0] = sum of psw[j] * weight[indices[j], c:c + W] over j in [s, e), prefetching PF
+        entries' whole rows ahead if `fetch`. Takes the arrays, not the bags tuple: unpacking a tuple
+        here costs NRT reference counts (atomic calls) per bag, 2-7x the whole gather at pooling 1 in
+        serially compiled code."""
         far = np.uint64(indices.shape[0] - 1)
         tail = straddles(weight, D * ITEM)
         for j in range(s, e):
             u = np.uint64(j)  # validated and non-negative: unsigned indexing skips numba's wraparound code
-            prefetch_row(weight, indices[min(u + np.uint64(PF), far)], D * ITEM, tail, LOC)
-            add_row(acc, 0, weight, indices[u], psw[u] if weighted else np.float32(1.0), D, DC, j == s, SCHEME)
+            if fetch:
+                prefetch_row(weight, indices[min(u + np.uint64(PF), far)], D * ITEM, tail, LOC)
+            add_row(acc, 0, weight, indices[u], c, psw[u] if weighted else np.float32(1.0), W if W else D, W,
+                    j == s, SCHEME)
 
     @jit(inline="always", fastmath=_STRICT)
     def pool(weight, bags, out, b0, b1):
@@ -73,22 +81,24 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM):
         indices, offsets, psw, mean, last = bags
         nbags, nnz = out.shape[0], indices.shape[0]
         D = DC if DC else out.shape[1]
-        acc = stack_f32(DC) if DC else np.empty((1, D), np.float32)
+        acc = stack_f32(W) if DC else np.empty((1, D), np.float32)
         for b in range(b0, b1):
             s, e = offsets[b], bag_end(offsets, b, nbags, nnz, last)
-            if psw.shape[0] > 0:  # two copies of the row loop, so the common unweighted one has no per-row test
-                pool_bag(acc, weight, indices, psw, s, e, D, True)
-            else:
-                pool_bag(acc, weight, indices, psw, s, e, D, False)
-            if e > s:
-                inv = np.float32(1.0) / np.float32(e - s) if mean else np.float32(1.0)
-                if DC:  # the sum is in the order the widening left it
-                    row_set_from(out, b, acc, 0, inv, DC, SCHEME)
+            for h in range(COLS):
+                c = h * W
+                if psw.shape[0] > 0:  # two copies of the row loop, so the common unweighted one has no per-row test
+                    pool_bag(acc, weight, indices, psw, s, e, D, c, True, h == 0)
                 else:
-                    madd_row(out, b, acc, 0, inv, D, DC, True)
-            else:
-                for d in range(D):
-                    out[b, d] = 0.0
+                    pool_bag(acc, weight, indices, psw, s, e, D, c, False, h == 0)
+                if e > s:
+                    inv = np.float32(1.0) / np.float32(e - s) if mean else np.float32(1.0)
+                    if DC:  # the sum is in the order the widening left it
+                        row_set_from(out, b, c, acc, 0, inv, W, SCHEME)
+                    else:
+                        madd_row(out, b, acc, 0, inv, D, DC, True)
+                else:
+                    for d in range(c, c + (W if W else D)):
+                        out[b, d] = 0.0
     return pool
 
 
@@ -126,15 +136,15 @@ def _serial_kernel(pool, DC):
 @kernel_factory("embedding_bag_forward")
 def _forward_factory(spec):
     pool = _pooler(spec["D"], spec["pf"], HINTS[spec["hint"]], WIDEN_SCHEMES[spec["widen"]],
-                   2 if spec["bf16"] else 4)  # bytes per table element: a constant, so prefetch loops unroll
+                   2 if spec["bf16"] else 4, spec["cols"])  # bytes per table element: a constant, so prefetch loops unroll
     return _serial_kernel(pool, spec["D"]) if spec["serial"] else _parallel_kernel(pool)
 
 
-def _spec(dim, bf16, serial, prefetch, widen) -> KernelSpec:
+def _spec(dim, bf16, serial, prefetch, widen, cols=1) -> KernelSpec:
     dc = d_class(dim)
     scheme = widen["scheme"] if bf16 and dc else "shuffle"  # only the vector rows of bf16 tables widen
     return KernelSpec.make("embedding_bag_forward", D=dc, bf16=bf16, pf=int(prefetch["distance"]),
-                           hint=prefetch["hint"], widen=scheme, serial=serial)
+                           hint=prefetch["hint"], widen=scheme, serial=serial, cols=cols if dc else 1)
 
 
 # ----------------------------------------------------------------------------- knobs
@@ -160,14 +170,16 @@ def _prefetch_candidates(problem, quick):
     return [{"distance": d, "hint": hint} for hint in HINTS for d in (8, 16, 24, 32, 48, 64)]
 
 
-def _timed(problem, prefetch, widen):
-    """The forward of the problem's batches with these choices, inputs built here (untimed)."""
+def _timed(problem, prefetch=None, widen=None, cols=None):
+    """The forward of the problem's batches with these choices (None: the knobs'), inputs built
+    here (untimed)."""
     _, dim, _, batch, itemsize, threads = problem
     table = make_table(problem)
     w = table.hi if itemsize == 2 else table
     batches, _ = draw_batches(problem)
     serial = batches[0][0].shape[0] * dim <= PARALLEL.choose(problem)["serial_max_work"]
-    kern = get_kernel(_spec(dim, itemsize == 2, serial, prefetch, widen))
+    kern = get_kernel(_spec(dim, itemsize == 2, serial, prefetch or PREFETCH.choose(problem),
+                            widen or WIDEN.choose(problem), (cols or COLUMNS.choose(problem))["cols"]))
     out = np.empty((batch, dim), np.float32)
     call = cycle([functools.partial(kern, w, bags, min(_CHUNKS, batch), out) for bags in batches], batches)
     return call if serial else on_threads(threads, call)
@@ -188,8 +200,8 @@ def _parallel_search(problem, quick, timer):
         return _parallel_heuristic(problem)
     table = make_table(problem)
     w = table.hi if itemsize == 2 else table
-    prefetch, widen = PREFETCH.choose(problem), WIDEN.choose(problem)
-    kernels = {serial: get_kernel(_spec(dim, itemsize == 2, serial, prefetch, widen)) for serial in (True, False)}
+    prefetch, widen, cols = PREFETCH.choose(problem), WIDEN.choose(problem), COLUMNS.choose(problem)["cols"]
+    kernels = {serial: get_kernel(_spec(dim, itemsize == 2, serial, prefetch, widen, cols)) for serial in (True, False)}
 
     def run(nbags, parallel):
         batches, _ = draw_batches(problem, nbags)
@@ -207,7 +219,7 @@ def _parallel_search(problem, quick, timer):
 
 PREFETCH = knob("embedding.forward.prefetch", doc="rows the forward prefetches ahead, and into which cache",
                 heuristic=_prefetch_heuristic, shape_class=shape_class, quick_class=quick_class, problems=problems,
-                candidates=_prefetch_candidates, runner=lambda p, params: _timed(p, params, WIDEN.choose(p)))
+                candidates=_prefetch_candidates, runner=lambda p, params: _timed(p, prefetch=params))
 PARALLEL = knob("embedding.parallel.forward", doc="work (nnz * D) up to which the forward runs on the calling thread",
                 heuristic=_parallel_heuristic, shape_class=shape_class, quick_class=quick_class, problems=problems,
                 search=_parallel_search)
@@ -225,7 +237,10 @@ WIDEN = knob("embedding.bf16.widen.forward", doc="how the forward widens bf16 ro
              heuristic=widen_heuristic, shape_class=shape_class, quick_class=quick_class,
              problems=lambda w: problems(w, itemsizes=(2,)),
              candidates=_widen_candidates,
-             runner=lambda p, params: _timed(p, PREFETCH.choose(p), params))
+             runner=lambda p, params: _timed(p, widen=params))
+COLUMNS = knob("embedding.forward.columns", doc="column blocks a bag is pooled in (the accumulator's share of the "
+               "vector registers)", heuristic=columns_heuristic, shape_class=shape_class, quick_class=quick_class,
+               problems=problems, candidates=columns_candidates, runner=lambda p, params: _timed(p, cols=params))
 
 
 # ----------------------------------------------------------------------------- op
@@ -291,11 +306,11 @@ def _kernels(rows, dim, bf16, threads, nnz, nbags):
     if got is None or got[0] != token:
         itemsize = 2 if bf16 else 4
         problem = call_problem(rows, dim, nnz, nbags, itemsize, threads)
-        prefetch, widen = PREFETCH.choose(problem), WIDEN.choose(problem)
+        prefetch, widen, cols = PREFETCH.choose(problem), WIDEN.choose(problem), COLUMNS.choose(problem)["cols"]
         choices = [prefetch]
         if get_config().use_tuning and d_class(dim) and rows * dim * itemsize > host_target().l2:
             choices.append(_other_hint(prefetch, dim * itemsize))
-        kernels = [(get_kernel(_spec(dim, bf16, True, c, widen)), get_kernel(_spec(dim, bf16, False, c, widen)))
+        kernels = [tuple(get_kernel(_spec(dim, bf16, serial, c, widen, cols)) for serial in (True, False))
                    for c in choices]
         got = _KERNELS[key] = (token, (PARALLEL.choose(problem)["serial_max_work"], kernels,
                                        HintChooser() if len(kernels) > 1 else None))
