@@ -32,9 +32,9 @@ def _bags(rows, nbags, pooling, mean):
     return (idx, np.arange(nbags, dtype=np.int64) * pooling, NO_PSW, mean, False)
 
 
-@pytest.mark.parametrize("dim", [32, 64, 128])
-def test_serial_forward_gathers_without_refcounts(uncached, dim):
-    kern = forward._serial_kernel(forward._pooler(dim, _PF, 2, 1, 4), dim)
+@pytest.mark.parametrize("dim, cols", [(32, 1), (64, 1), (128, 1), (128, 2)])
+def test_serial_forward_gathers_without_refcounts(uncached, dim, cols):
+    kern = forward._serial_kernel(forward._pooler(dim, _PF, 2, 1, 4, cols), dim)
     w = np.ones((50, dim), np.float32)
     out = np.empty((20, dim), np.float32)
     assert kern(w, _bags(50, 20, 1, False), 1, out) == (0, 0, 0)
