@@ -135,8 +135,9 @@ def _serial_kernel(pool, DC):
 
 @kernel_factory("embedding_bag_forward")
 def _forward_factory(spec):
+    # bytes per table element: a constant, so prefetch loops unroll
     pool = _pooler(spec["D"], spec["pf"], HINTS[spec["hint"]], WIDEN_SCHEMES[spec["widen"]],
-                   2 if spec["bf16"] else 4, spec["cols"])  # bytes per table element: a constant, so prefetch loops unroll
+                   2 if spec["bf16"] else 4, spec["cols"])
     return _serial_kernel(pool, spec["D"]) if spec["serial"] else _parallel_kernel(pool)
 
 
@@ -144,7 +145,8 @@ def _spec(dim, bf16, serial, prefetch, widen, cols=1) -> KernelSpec:
     dc = d_class(dim)
     scheme = widen["scheme"] if bf16 and dc else "shuffle"  # only the vector rows of bf16 tables widen
     return KernelSpec.make("embedding_bag_forward", D=dc, bf16=bf16, pf=int(prefetch["distance"]),
-                           hint=prefetch["hint"], widen=scheme, serial=serial, cols=cols if dc else 1)
+                           hint=prefetch["hint"], widen=scheme, serial=serial,
+                           cols=cols if dc and cols > 0 and dc % cols == 0 else 1)  # a DB entry never drops columns
 
 
 # ----------------------------------------------------------------------------- knobs
