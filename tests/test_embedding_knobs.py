@@ -225,9 +225,23 @@ def test_every_candidate_computes_the_default_results(name, bf16, db, one_thread
                 np.testing.assert_array_equal(got, want)
 
 
+def test_forward_prefetch_line_step_is_64_or_128():
+    """A prefetch choice without a step (an entry tuned before it was one) hints every line; one
+    that is neither 64 nor 128 (a hand-edited DB) too, never a loop that does not advance. The
+    HintChooser's alternative keeps the tuned step."""
+    def spec(prefetch):
+        return forward._spec(64, False, True, prefetch, {"scheme": "shift"})["pstep"]
+    assert spec({"distance": 16, "hint": "l1"}) == 64
+    assert spec({"distance": 16, "hint": "l1", "step": 128}) == 128
+    assert spec({"distance": 16, "hint": "l1", "step": 0}) == spec({"distance": 16, "hint": "l1", "step": 96}) == 64
+    assert forward._other_hint({"distance": 16, "hint": "l1", "step": 128}, 256)["step"] == 128
+    assert "step" not in forward._other_hint({"distance": 16, "hint": "l2"}, 256)
+
+
 def test_tuned_entries_reach_the_kernels(db, one_thread, monkeypatch, caplog):
     problem = (ROWS, DIM, POOLING, BATCH, 4, 1)
-    tunedb.store("embedding.forward.prefetch", _knobs.shape_class(problem), {"distance": 16, "hint": "nta"})
+    tunedb.store("embedding.forward.prefetch", _knobs.shape_class(problem),
+                 {"distance": 16, "hint": "nta", "step": 128})
     tunedb.store("embedding.update.prefetch.sgd", _knobs.shape_class(problem), {"distance": 64})
     tunedb.store("embedding.forward.columns", _knobs.shape_class(problem), {"cols": 2})
     w, idx, off, dout, _ = _batch()
@@ -235,7 +249,7 @@ def test_tuned_entries_reach_the_kernels(db, one_thread, monkeypatch, caplog):
     with caplog.at_level("DEBUG", logger="jitkern"):
         embedding_bag_forward(w, idx, off)
         embedding_bag_sgd_(w, idx, off, dout, 0.1)
-    assert "embedding_bag_forward[float32](D=64,bf16=False,cols=2,hint=nta,pf=16,serial=True" in caplog.text
+    assert "embedding_bag_forward[float32](D=64,bf16=False,cols=2,hint=nta,pf=16,pstep=128,serial=True" in caplog.text
     assert "embedding_bag_sgd[float32](D=64,bf16=False,parallel=False,pf=64," in caplog.text
     assert adagrad._kernels(ROWS, DIM, 1, POOLING * BATCH, BATCH)[:2] == (8192, 32)
     tunedb.store("embedding.update.prefetch.adagrad", _knobs.shape_class(problem), {"distance": 32, "link": 8})

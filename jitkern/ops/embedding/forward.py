@@ -40,7 +40,7 @@ from ._knobs import (
     shape_class,
     widen_heuristic,
 )
-from ._rows import add_row, bag_end, d_class, madd_row, num_threads, prefetch_distance, prefetch_row, straddles
+from ._rows import add_row, bag_end, d_class, madd_row, num_threads, prefetch_distance, prefetch_lines, straddles
 from ._validate import check_bag_args, check_bags, check_table, raise_bag_error, validate_bags
 
 SERIAL_WORK = 1 << 14  # nnz * D up to which a call runs on the calling thread even with several threads
@@ -53,11 +53,12 @@ _STRICT = frozenset()
 
 
 @functools.lru_cache(maxsize=None)
-def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS):
-    """pool(weight, bags, out, b0, b1) for compile-time width DC (0: runtime D), prefetch distance PF
-    and locality LOC, bf16 widening scheme SCHEME, ITEM bytes per table element, and COLS column
-    blocks: each bag is pooled COLS times, DC // COLS columns at a time, so that the accumulator and
-    its operands fit in the vector registers (a bag's rows are cached after the first block)."""
+def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
+    """pool(weight, bags, out, b0, b1) for compile-time width DC (0: runtime D), prefetch distance PF,
+    locality LOC and line step STEP (_rows.prefetch_lines), bf16 widening scheme SCHEME, ITEM bytes
+    per table element, and COLS column blocks: each bag is pooled COLS times, DC // COLS columns at
+    a time, so that the accumulator and its operands fit in the vector registers (a bag's rows are
+    cached after the first block)."""
     W = DC // COLS
 
     @jit(inline="always", fastmath=_STRICT)
@@ -71,7 +72,7 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS):
         for j in range(s, e):
             u = np.uint64(j)  # validated and non-negative: unsigned indexing skips numba's wraparound code
             if fetch:
-                prefetch_row(weight, indices[min(u + np.uint64(PF), far)], D * ITEM, tail, LOC)
+                prefetch_lines(weight, indices[min(u + np.uint64(PF), far)], D * ITEM, tail, LOC, STEP)
             add_row(acc, 0, weight, indices[u], c, psw[u] if weighted else np.float32(1.0), W if W else D, W,
                     j == s, SCHEME)
 
@@ -137,15 +138,16 @@ def _serial_kernel(pool, DC):
 def _forward_factory(spec):
     # bytes per table element: a constant, so prefetch loops unroll
     pool = _pooler(spec["D"], spec["pf"], HINTS[spec["hint"]], WIDEN_SCHEMES[spec["widen"]],
-                   2 if spec["bf16"] else 4, spec["cols"])
+                   2 if spec["bf16"] else 4, spec["cols"], spec["pstep"])
     return _serial_kernel(pool, spec["D"]) if spec["serial"] else _parallel_kernel(pool)
 
 
 def _spec(dim, bf16, serial, prefetch, widen, cols=1) -> KernelSpec:
     dc = d_class(dim)
     scheme = widen["scheme"] if bf16 and dc else "shuffle"  # only the vector rows of bf16 tables widen
+    step = prefetch.get("step", 64)  # entries tuned before the step was a choice have none
     return KernelSpec.make("embedding_bag_forward", D=dc, bf16=bf16, pf=int(prefetch["distance"]),
-                           hint=prefetch["hint"], widen=scheme, serial=serial,
+                           hint=prefetch["hint"], pstep=step if step in (64, 128) else 64, widen=scheme, serial=serial,
                            cols=cols if dc and cols > 0 and dc % cols == 0 else 1)  # a DB entry never drops columns
 
 
@@ -165,11 +167,15 @@ def _prefetch_heuristic(problem):
 
 def _prefetch_candidates(problem, quick):
     h = _prefetch_heuristic(problem)
+    # one line of each 128-byte pair (step 128; rows of one line have no pair): on Zen 3 at pooling
+    # 20 it won 3-10% on fp32 rows and lost 16% on bf16 D=128 and at pooling 1, so a tuned choice only
+    pairs = problem[1] * problem[4] > 64
     if quick:
         d = h["distance"]
         return [h, {"distance": d // 2, "hint": "l2"}, {"distance": 2 * d, "hint": h["hint"]},
-                {"distance": d, "hint": "l1"}, {"distance": d, "hint": "nta"}]
-    return [{"distance": d, "hint": hint} for hint in HINTS for d in (8, 16, 24, 32, 48, 64)]
+                {"distance": d, "hint": "l1"}, {"distance": d, "hint": "nta"}] + ([{**h, "step": 128}] if pairs else [])
+    return ([{"distance": d, "hint": hint} for hint in HINTS for d in (8, 16, 24, 32, 48, 64)]
+            + [{"distance": d, "hint": hint, "step": 128} for hint in ("l1", "l2") for d in (8, 16, 32) if pairs])
 
 
 def _timed(problem, prefetch=None, widen=None, cols=None):
@@ -291,8 +297,8 @@ def _other_hint(prefetch, row_bytes):
     of it (an L1 prefetch holds a fill buffer until its line arrives: fewer in flight)."""
     far = prefetch_distance(row_bytes)
     if prefetch["hint"] == "l1":
-        return {"distance": far, "hint": "l2"}
-    return {"distance": max(far // 2, 8), "hint": "l1"}
+        return {**prefetch, "distance": far, "hint": "l2"}
+    return {**prefetch, "distance": max(far // 2, 8), "hint": "l1"}
 
 
 def _kernels(rows, dim, bf16, threads, nnz, nbags):
