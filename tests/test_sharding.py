@@ -150,6 +150,28 @@ def test_cost_model_prefers_splitting_hot_tables_over_whole_tables():
         assert "row" in plan.kinds() and steps[1] > gain * steps[0], steps
 
 
+def test_planner_finds_row_groups_that_one_table_at_a_time_cannot_reach():
+    # paper-small at 64 ranks, 2048 samples per rank: each table row-wise over its own group of
+    # ranks moves a fraction of the partial pools that all-rank row shards do, but no single
+    # table can leave a plan balanced over all 64 ranks without overloading its group first
+    cfg, P = CONFIGS["paper-small"], 64
+    batch = 2048 * P
+    dense = dense_estimate(cfg.bottom, [cfg.dim + 36] + list(cfg.top), batch // P)
+    rates, net = Rates(), Network()
+
+    def step(plan):
+        return estimate(plan_load(plan, cfg.lookups, batch, rates), plan.kinds(), dense, 0, net).step
+
+    plan = plan_sharding(cfg.sizes, cfg.dim, cfg.lookups, batch, P, dense=dense)
+    groups = {k: ShardingPlan(cfg.sizes, cfg.dim, P, tuple(TableSharding.row(range(t * k % P, t * k % P + k), n)
+                                                         for t, n in enumerate(cfg.sizes)))
+              for k in (4, 8, 16, 32)}
+    every = plan_sharding(cfg.sizes, cfg.dim, cfg.lookups, batch, P, dense=dense, kinds="row")
+    best = min(step(g) for g in groups.values())
+    assert best < 0.95 * step(every), (best, step(every))     # the groups are worth finding
+    assert step(plan) <= best * 1.001, (step(plan), {k: step(g) for k, g in groups.items()})
+
+
 def test_cost_model_without_offload_exposes_every_transfer():
     # ranks sharing one machine's memory copy every byte themselves inside MPI calls: nothing of
     # the link time hides behind compute, so the step is the compute plus all of it

@@ -13,7 +13,8 @@ Kinds (sharding.py implements them):
                before they cross to other nodes
     replicate  on every rank, data-parallel: each pools its own samples; gradients are summed
 
-The planner searches locally from a few starting plans (none placed, whole tables, all row-wise):
+The planner searches locally from a few starting plans (none placed, whole tables, all row-wise,
+row-wise over groups of ranks):
 largest table first, each table takes the sharding (and ranks) that gives the whole plan the
 lowest predicted step time, then the least total work, until no table changes; the best plan
 found wins. A table too large for one rank's memory can only be split.
@@ -273,8 +274,11 @@ def _improve(chosen: list, order, options, pb: _Problem, passes: int = 4) -> lis
 
 
 def _starts(options, order, pb: _Problem) -> list:
-    """Initial plans for the local search: none placed (greedy), whole tables where allowed, and
-    every table row-wise over all ranks where allowed."""
+    """Initial plans for the local search: none placed (greedy), whole tables where allowed, every
+    table row-wise over all ranks where allowed, and row-wise over groups of k ranks, the tables
+    (largest first) taking consecutive groups in turn. One table at a time never reaches the group
+    plans from the others: moving one table off a plan balanced over all ranks to k of them
+    overloads those k until the other tables move too."""
     starts = [[None] * len(options)]
     for kind in ("table", "row"):
         plan = []
@@ -283,6 +287,15 @@ def _starts(options, order, pb: _Problem) -> list:
             k = kind if allowed else options[t][0]
             plan.append(next(iter(_candidates(t, k, Load(pb.nranks), pb, True)), None) if allowed else None)
         if any(s is not None for s in plan):
+            starts.append(plan)
+    P = pb.nranks
+    for k in (k for k in (2, 4, 8, 16, 32, 64, 128, 256) if k < P):
+        plan, at = [None] * len(options), 0
+        for t in order:
+            if "row" in options[t] and k <= pb.loads[t].rows:
+                plan[t] = TableSharding.row(sorted((at + j) % P for j in range(k)), pb.loads[t].rows)
+                at = (at + k) % P
+        if sum(s is not None for s in plan) > 1:
             starts.append(plan)
     return starts
 
