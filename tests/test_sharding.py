@@ -289,7 +289,7 @@ def test_ranks_wait_for_the_slowest_by_the_expected_maximum_of_their_spread():
 
 def test_measured_dense_stages_are_medians_with_their_spread():
     from jitkern.bench.dist import _combine_dense, _dense_rows
-    from jitkern.dlrm.calibration import DenseStages, measure_dense, table_traffic
+    from jitkern.dlrm.calibration import DenseStages, measure_dense, step_spread, table_traffic
     # the caches see a rank's share of the lookups' rows before each timed step: 100 lookups of
     # 8 tables of 64 floats per sample, read by the forward and again by the update
     assert table_traffic(CONFIGS["paper-small"], 32) == 32 * 100 * 8 * 64 * 4 * 2
@@ -298,6 +298,10 @@ def test_measured_dense_stages_are_medians_with_their_spread():
     for st in got.values():
         assert isinstance(st, DenseStages) and st.sd >= 0 and "top_fwd" in st
         assert not any(k.startswith("embedding") for k in st)
+    # the spread is the bulk's: one step slowed by another process does not set it
+    steps = [10.0, 10.2, 9.8, 10.1, 9.9, 10.0, 17.0]
+    assert step_spread(steps) == pytest.approx(1.4826 * 0.1) and np.std(steps) > 2.0
+    assert step_spread([5.0]) == 0.0
     # bench dist's rounds (JSON: rows as strings) -> each stage's and the spread's median
     rounds = [{"8": {"top_fwd": t, "loss": 1.0, "sd": s}} for t, s in ((3.0, 0.1), (1.0, 0.3), (2.0, 0.2))]
     both = _combine_dense(rounds)

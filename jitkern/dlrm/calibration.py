@@ -40,9 +40,20 @@ def _cpu_seconds(fn, reps, before=None, pick=min):
 
 
 class DenseStages(dict):
-    """Seconds per dense stage (the median over timed steps), with `sd`: the standard deviation of
-    the steps' dense seconds, which sets how long ranks wait for each other (costmodel.sync_wait)."""
+    """Seconds per dense stage (the median over timed steps), with `sd`: the spread of the steps'
+    dense seconds (step_spread), which sets how long ranks wait for each other (costmodel.sync_wait)."""
     sd = 0.0
+
+
+def step_spread(seconds) -> float:
+    """The standard deviation of step times, estimated from their median absolute deviation
+    (x 1.4826, the factor that makes it sigma for normal data): sync_wait models ranks' normal
+    step-to-step variation, and on a shared machine one step of 7 slowed by another tenant would
+    otherwise set it (np.std of such a sample swung 0.3-7 ms at 32 rows between runs)."""
+    x = np.asarray(seconds, float)
+    if x.size < 2:
+        return 0.0
+    return float(1.4826 * np.median(np.abs(x - np.median(x))))
 
 
 def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> DenseStages | dict:
@@ -79,7 +90,7 @@ def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> DenseStages | dict:
     best = {}
     for r in sizes:
         best[r] = DenseStages((k, float(np.median(v))) for k, v in seen[r].items())
-        best[r].sd = float(np.std(np.sum(list(seen[r].values()), axis=0)))
+        best[r].sd = step_spread(np.sum(list(seen[r].values()), axis=0))
     return best if np.ndim(rows) else best[sizes[0]]
 
 
