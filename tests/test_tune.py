@@ -140,10 +140,28 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
     if mc < G._round_to(m, mr) and kc < 2 * G.PAGE_STREAMS:  # a short K loop: still a strip of PAGE_STREAMS
         assert mc >= min(G.PAGE_STREAMS * rows_per_page - mr, (caches.l2 // 4) // (128 * 4) - mr, 512 // mr * mr)
     tb = variant.startswith("linear_forward")
-    if G.b_in_place(tb, m, n, mr) and k > 64:
+    # one K pass of one block holding all of a small C, or B's rows in place within the pages
+    one_pass = kc >= k and mc == G._round_to(m, mr) and k * 4 <= G.PAGE and m * n * 4 <= caches.l2 // 2
+    if G.b_in_place(tb, m, n, mr) and k > 64 and not one_pass:
         assert kc <= max(64, G.PAGE_STREAMS * rows_per_page)
     if variant in ("linear_dw", "linear_dwt") and n <= G.tile_shape()[1] and k > 64:  # A's columns in place
         assert kc <= max(64, caches.l2 // (m * 4))  # their kc rows fit L2 even in the fewest sets
+
+
+def test_a_small_c_takes_one_k_pass(caches):
+    """One block holding all of a small C (a small batch's dx) takes K in one pass while A's rows
+    are at most a page long; a longer K, or a C too tall for one block, keeps several passes."""
+    mr, nr, _ = G.tile_shape()
+    kmax = G.PAGE // 4
+    for m, n, k in ((32, 1024, kmax), (32, 479, kmax), (12, 512, kmax // 2 + 4)):
+        h = G.heuristic_blocks("linear_dx", m, n, k)
+        whole = G._round_to(m, mr)
+        if whole * k * 4 <= caches.l2 * 3 // 4 and m * n * 4 <= caches.l2 // 2:
+            assert h == {"mc": whole, "kc": k}, (m, n, k, h)
+        else:
+            assert caches.l2 < 512 << 10, "Zen 3's and Zen 4's caches hold these blocks"
+    assert G.heuristic_blocks("linear_dx", 32, 1024, 2 * kmax)["kc"] < 2 * kmax
+    assert G.heuristic_blocks("linear_dx", 2048, 1024, kmax)["kc"] <= 512
 
 
 def test_choice_follows_db_and_environment(db, monkeypatch):

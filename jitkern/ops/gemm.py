@@ -55,7 +55,13 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     few rows, and no faster from DRAM). One block takes all rows where they fit in 3/4 of L2 and
     all of C in half of L2 (B's panels then pass through once per K pass, not once per row block),
     or where A is read transposed in place (linear_dw/dwt with n <= NR): there is no A block to
-    keep, and all of B's one panel streams through once per C block."""
+    keep, and all of B's one panel streams through once per C block.
+
+    One K pass where one block holds all of C (small m: each B row is read once per column panel
+    whatever kc is) and each of A's rows is at most a 4 KiB page long: passes would only add the C
+    tiles' reload and store (dx 32 x 1024 x 1024: 66 -> 83 GF/s on Zen 4, 45 -> 55 with the AVX2
+    tile and Zen 3's caches; B read in place, 32 x 479 x 1024: 80 -> 92). A K of 2048 in one pass
+    lost 10-40% on both tiles."""
     t = host_target()
     mr, nr, _ = tile_for(t.isa)
     kc0 = min(512, max(128, (2 * t.l1d) // (nr * 4) // 16 * 16))
@@ -64,9 +70,11 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
         kc0 = min(kc0, max(64, t.l2 // (m * 4) // 16 * 16))
     elif b_in_place(variant in ("linear_forward", "linear_forward_t"), m, n, mr):
         kc0 = min(kc0, max(64, _rows_in_pages(PAGE_STREAMS, n * 4) // 16 * 16))
+    whole = _round_to(m, mr)
+    if not one_panel_dw and k * 4 <= PAGE and whole * k * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2:
+        return {"mc": whole, "kc": _round_to(k, 4)}
     passes = max(1, -(-k // kc0))
     kc = _round_to(-(-k // passes), 4)
-    whole = _round_to(m, mr)
     fits = whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2
     if fits or one_panel_dw:
         return {"mc": whole, "kc": kc}
@@ -74,6 +82,7 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     return {"mc": max(mr, min(mc // mr * mr, 512 // mr * mr, whole)), "kc": kc}
 
 
+PAGE = 4096         # bytes of a page, the span of the hardware prefetchers' streams
 PAGE_STREAMS = 32   # strided rows a tile reads at once: within the prefetchers' reach of 4 KiB pages
 
 
@@ -94,7 +103,9 @@ def _candidates(problem, quick):
     mr, _, _ = tile_shape()
     kcs = (128, 256, 512) if quick else (96, 128, 192, 256, 384, 512)
     mcs = (mr * 6, mr * 12, mr * 24) if quick else (mr * 4, mr * 6, mr * 9, mr * 12, mr * 18, mr * 24, mr * 48)
-    return [{"mc": mc, "kc": kc} for kc in kcs for mc in mcs]
+    m, _, k, _ = problem
+    one_pass = [{"mc": _round_to(m, mr), "kc": _round_to(k, 4)}] if k > kcs[-1] and k * 4 <= PAGE else []
+    return [{"mc": mc, "kc": kc} for kc in kcs for mc in mcs] + one_pass
 
 
 @functools.lru_cache(maxsize=1)
