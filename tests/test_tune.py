@@ -126,8 +126,9 @@ def test_heuristic_and_thread_shaping(caches):
 def test_heuristic_strided_streams(caches, variant, m, n, k):
     """The heuristic keeps strided rows within the prefetchers' reach: a column panel's strip of C
     rows spans at most max(kc/2, PAGE_STREAMS) pages of 4 KiB (and a short K's strip no fewer)
-    unless it is one register tile high or the whole of C sits in half of L2; B read in place
-    gives K passes of at most PAGE_STREAMS pages of rows (or 64), A's columns read in place (a C
+    unless it is one register tile high or the whole of C sits in half of L2; B read in place by
+    more than two row tiles gives K passes of at most PAGE_STREAMS pages of rows (or 64), by one
+    or two a long K loop all the same; A's columns read in place (a C
     of one column panel) at most the rows of L2; a block is never taller than C."""
     mr, _, _ = G.tile_shape()
     h = G.heuristic_blocks(variant, m, n, k)
@@ -142,8 +143,10 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
     tb = variant.startswith("linear_forward")
     # one K pass of one block holding all of a small C, or B's rows in place within the pages
     one_pass = kc >= k and mc == G._round_to(m, mr) and k * 4 <= G.PAGE and m * n * 4 <= caches.l2 // 2
-    if G.b_in_place(tb, m, n, mr) and k > 64 and not one_pass:
+    if G.b_in_place(tb, m, n, mr) and k > 64 and not one_pass and m > 2 * mr:
         assert kc <= max(64, G.PAGE_STREAMS * rows_per_page)
+    if G.b_in_place(tb, m, n, mr) and m <= 2 * mr and k >= 512:
+        assert kc >= 256
     if variant in ("linear_dw", "linear_dwt") and n <= G.tile_shape()[1] and k > 64:  # A's columns in place
         assert kc <= max(64, caches.l2 // (m * 4))  # their kc rows fit L2 even in the fewest sets
 
