@@ -9,6 +9,7 @@ vectors into a small scratch and does all its work there; the batch is split acr
             The transpose is done 16 x 16 blocks at a time in registers when W = 16 and D % 16 == 0.
   backward: dT = S @ T with S the symmetric F x F matrix of dz's triangle (instead of the
             reference's dZ @ T + dZ^T @ T), read from dz in place; a 4-row x W-lane register tile.
+Both hint the rows of the sample AHEAD samples on into L2 (inside a step they come from L3 or DRAM).
 The vectors are LLVM `<W x float>` values made available to numba by codegen/vec.py, so LLVM keeps
 the accumulators in registers. Kernels take F and D as literals for the DLRM shapes
 (interaction._SPECIALISED) and read them from the arguments otherwise: one generic kernel serves
@@ -23,6 +24,7 @@ import numpy as np
 
 from ..codegen import jit, kernel_factory, uidx as _u
 from ..codegen.bf16 import widen
+from ..codegen.prefetch import prefetch_l2, prefetch_write
 from ..codegen.vec import (
     addr_of,
     ptr_like,
@@ -81,6 +83,24 @@ def _transpose_sample(tt, x, addrs, b, stride, bufs, geo):
                 tt[d * Fp + t + 1] = widen(row[d])
 
 
+# Samples ahead whose rows are hinted: a sample's F input rows (and, backward, its F - 1 gradient
+# rows) are as many streams, more than the hardware prefetchers follow, so inside a training step,
+# where other stages have pushed them out to L3 or DRAM, each would be a demand miss
+AHEAD = 2
+
+
+@jit(inline="always")
+def _prefetch_sample(x, addrs, b, stride, T, D):
+    """Hint sample b's rows (x[b], then ly_t[b] at byte address addrs[t] + itemsize * b * stride)
+    into L2."""
+    item = x.itemsize
+    base = addr_of(x)
+    for off in range(0, D * item, 64):
+        prefetch_l2(x, b, off)
+        for t in range(T):
+            prefetch_l2(x, 0, addrs[t] + item * b * stride - base + off)
+
+
 @kernel_factory("interaction_dot_forward")
 def _dot_forward_factory(spec):
     FC, DC, W = spec["F"], spec["D"], spec["W"]  # F, D: literals, or 0 = read from the arguments
@@ -104,6 +124,8 @@ def _dot_forward_factory(spec):
         rowaddr[F:] = addr_of(zeros)
         wrows = np.empty(F * D if x.itemsize != 4 else 0, np.float32)
         for b in range(b0, b1):
+            if b + AHEAD < b1:
+                _prefetch_sample(x, addrs, b + AHEAD, stride, F - 1, D)
             for d in range(D):
                 put(z, (b, d), widen(x[b, d]))
             _transpose_sample(tt, x, addrs, b, stride, (rowaddr, wrows), (F, D, Fp, blocks))
@@ -203,6 +225,11 @@ def _dot_backward_factory(spec):
         dzf, dxf, dlyf = dz.reshape(dz.size), dx.reshape(dx.size), dly.reshape(dly.size)
         full = D == Dp  # rows go straight to dx / dly; else through g (pad lanes must not be stored)
         for b in range(b0, b1):
+            if b + AHEAD < b1:
+                _prefetch_sample(x, addrs, b + AHEAD, stride, F - 1, D)
+                for t in range(F - 1):  # its gradient rows, one stream per table
+                    for o in range(0, D * 4, 64):
+                        prefetch_write(dlyf, (t * nb + b + AHEAD) * D, o)
             _gather_sample(buf, x, addrs, b, stride, F - 1, D, Dp, W)
             base = b * nz + D
             _diagonal_blocks(sd, dzf, base, F, off)
