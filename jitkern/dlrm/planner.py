@@ -347,25 +347,28 @@ def plan_sharding(sizes, dim, pooling=1, batch=2048, ranks=1, memory_per_rank=No
                else ["row", "table_row"] for w, l in zip(wanted, loads)]
     work = [pb.rates.table_seconds(sizes[t], D, batch * pooling[t], batch) for t in range(len(sizes))]
     order = sorted(range(len(sizes)), key=lambda t: (-work[t], t))
-    plans = [p for p in (_improve(s, order, options, pb) for s in _starts(options, order, pb)) if p is not None]
+    plans = [p for p in (_improve(s, order, options, pb) for s in _starts(options, order, pb))
+             if p is not None and not (_plan_load(p, pb).mem > limit).any()]
     if not plans:
         raise ValueError(f"the tables do not fit: no plan over {P} ranks keeps every rank within "
                          f"{_bytes(limit)} of table memory ({_bytes(sum(l.piece_bytes(l.rows, D) for l in loads))} "
                          "in all); use more ranks or more memory per rank")
     best = min(plans, key=lambda c: (_total_score(c, pb), plans.index(c)))
-    total = Load(P)
-    for t, s in enumerate(best):
-        total = total + pb.delta(t, s)[0]
+    total = _plan_load(best, pb)
     step = estimate(total, [s.kind for s in best], pb.dense, pb.mlp_bytes, network, pb.top_layers).step
     return ShardingPlan(sizes, D, P, tuple(best), tuple(pb.delta(t, s)[1] for t, s in enumerate(best)),
                         tuple(float(m) for m in total.mem), step, bool(pb.dense))
 
 
-def _total_score(chosen, pb: _Problem) -> tuple:
+def _plan_load(chosen, pb: _Problem) -> Load:
     total = Load(pb.nranks)
     for t, s in enumerate(chosen):
         total = total + pb.delta(t, s)[0]
-    return pb.score(total, [s.kind for s in chosen])
+    return total
+
+
+def _total_score(chosen, pb: _Problem) -> tuple:
+    return pb.score(_plan_load(chosen, pb), [s.kind for s in chosen])
 
 
 def plan_load(plan: ShardingPlan, pooling, batch: int, rates: Rates, optimizer: str = "sgd") -> Load:
