@@ -44,9 +44,10 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     so the prefetcher keeps up from L2, and a long K loop amortises the C tile's load and store
     per pass. Where B is read in place by more than two row tiles, its kc rows are as many strided
     streams reread per tile: kept within PAGE_STREAMS pages (one or two tiles read each row at most
-    twice: a dwt of 13 x 1024 x 2048 ran at 35 GF/s with kc = 64, 71 with 256-512). Where A's columns are (a C of one column panel), the next row tiles reread
-    the lines of those kc rows: they must stay in L2 even when their stride maps them to the same
-    sets (kc x A's row stride <= L2). kc is then split evenly over K.
+    twice: a dwt of 13 x 1024 x 2048 ran at 35 GF/s with kc = 64, 71 with 256-512). Where A's
+    columns are (a C of one column panel), the next row tiles reread the lines of those kc rows:
+    they must stay in L2 even when their stride maps them to the same sets (kc x A's row stride
+    <= L2). kc is then split evenly over K.
 
     mc: the mc x kc A block (packed, or rows read in place) in a quarter of L2, which it shares
     with the B micro-panels and C: it is reused over every column panel of its C block. A sweep
@@ -72,12 +73,15 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     elif b_in_place(variant in ("linear_forward", "linear_forward_t"), m, n, mr) and m > 2 * mr:
         kc0 = min(kc0, max(64, _rows_in_pages(PAGE_STREAMS, n * 4) // 16 * 16))
     whole = _round_to(m, mr)
-    if not one_panel_dw and k * 4 <= PAGE and whole * k * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2:
+
+    def one_block(kc):  # all rows' A block in 3/4 of L2, all of C in half
+        return whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2
+
+    if not one_panel_dw and k * 4 <= PAGE and one_block(k):
         return {"mc": whole, "kc": _round_to(k, 4)}
     passes = max(1, -(-k // kc0))
     kc = _round_to(-(-k // passes), 4)
-    fits = whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2
-    if fits or one_panel_dw:
+    if one_block(kc) or one_panel_dw:
         return {"mc": whole, "kc": kc}
     mc = min((t.l2 // 4) // (max(kc, 128) * 4), _rows_in_pages(max(kc // 2, PAGE_STREAMS), n * 4))
     return {"mc": max(mr, min(mc // mr * mr, 512 // mr * mr, whole)), "kc": kc}
