@@ -136,11 +136,17 @@ def test_all_paths_agree_bit_for_bit(p):
         with pytest.MonkeyPatch.context() as mp:
             _force_path(mp, path)
             state = np.ones(w.shape[0], np.float32)
-            bf16 = SplitBF16Table.from_float32(w)
+            split, pairs = (SplitBF16Table.from_float32(w, layout) for layout in ("split", "pairs"))
             results.append([embedding_bag_forward(w, idx, off, **kw),
                             embedding_bag_sgd_(w.copy(), idx, off, dout, 0.3, **kw),
                             embedding_bag_adagrad_(w.copy(), state, idx, off, dout, 0.3, **kw), state,
-                            embedding_bag_sgd_(bf16, idx, off, dout, 0.3, **kw).to_float32()])
+                            embedding_bag_forward(split, idx, off, **kw),
+                            embedding_bag_sgd_(split, idx, off, dout, 0.3, **kw).to_float32()])
+            # both layouts of a bf16 table: the same halves, so the same sums and updates
+            np.testing.assert_array_equal(embedding_bag_forward(pairs, idx, off, **kw), results[-1][-2])
+            embedding_bag_sgd_(pairs, idx, off, dout, 0.3, **kw)
+            np.testing.assert_array_equal(pairs.hi, split.hi)
+            np.testing.assert_array_equal(pairs.lo, split.lo)
     for other in results[1:]:
         for got, want in zip(other, results[0]):
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
@@ -173,12 +179,13 @@ def test_specialised_widths(dim):
         np.testing.assert_allclose(drows, want_drows, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["split", "pairs"])
 @pytest.mark.parametrize("dim", [*SPECIALISED_D, 37])
-def test_bf16_split_sgd_equals_fp32_sgd_bit_for_bit(dim):
+def test_bf16_split_sgd_equals_fp32_sgd_bit_for_bit(dim, layout):
     rng = np.random.default_rng(dim)
     w = rng.standard_normal((300, dim)).astype(np.float32)
-    table = SplitBF16Table.from_float32(w)
-    assert table.shape == (300, dim) and table.num_rows == 300 and table.dim == dim
+    table = SplitBF16Table.from_float32(w, layout)
+    assert table.shape == (300, dim) and table.num_rows == 300 and table.dim == dim and table.layout == layout
     assert table.to_float32().view(np.uint32).tolist() == w.view(np.uint32).tolist()
     for step in range(4):
         idx, off = _bags(rng, 300, [3, 0, 20, 9, 1], step % 2 == 0, np.int64, False)

@@ -15,6 +15,7 @@ from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_fo
 from jitkern.config import CACHE_PRESETS
 from jitkern.ops.embedding import _knobs, adagrad, forward, sgd
 from jitkern.ops.embedding._rows import prefetch_distance
+from jitkern.ops.embedding.layout import PAIRS_FROM_L3, layout_for
 
 ROWS, DIM, POOLING, BATCH = 5000, 64, 4, 256
 WORKLOAD = knobs.Workload(tables=((ROWS, DIM, POOLING, BATCH, 4),))
@@ -83,6 +84,21 @@ def test_forward_prefetch_follows_the_cache_model(caches, monkeypatch):
         assert prefetch_distance(256, l2) == 32 and prefetch_distance(512, l2) == 16
 
 
+@pytest.mark.parametrize("caches", [None, *sorted(CACHE_PRESETS)], ids=lambda c: c or "host")
+def test_bf16_tables_far_beyond_the_caches_are_built_as_pairs(caches, db, monkeypatch):
+    if caches:
+        monkeypatch.setenv("JITKERN_CACHE_SIZES", caches)
+    else:
+        monkeypatch.delenv("JITKERN_CACHE_SIZES", raising=False)
+    first = PAIRS_FROM_L3 * host_target().l3 // (4 * 128)  # rows of 512 bytes (both halves, D=128) from which
+    assert layout_for(first - 1, 128) == "split" and layout_for(first, 128) == "pairs"
+    assert layout_for(2 * first, 64) == "pairs" and layout_for(2 * first - 1, 64) == "split"
+    tunedb.store("embedding.bf16.layout", _knobs.shape_class((10, 16, 1, 1, 2, numba.get_num_threads())),
+                 {"layout": "pairs"})  # a tuned entry decides for the tables of its class
+    w = np.ones((10, 16), np.float32)
+    assert SplitBF16Table.from_float32(w).layout == "pairs" and SplitBF16Table.from_float32(w, "split").layout == "split"
+
+
 def test_heuristics_are_the_choices_before_knobs():
     def p(dim, itemsize=4, threads=1):
         return (ROWS, dim, POOLING, BATCH, itemsize, threads)
@@ -101,7 +117,7 @@ def test_heuristics_are_the_choices_before_knobs():
         "embedding.forward.prefetch", "embedding.update.prefetch.sgd", "embedding.update.prefetch.adagrad",
         "embedding.parallel.forward", "embedding.parallel.sgd", "embedding.parallel.adagrad",
         "embedding.bf16.widen.forward", "embedding.bf16.widen.sgd", "embedding.quantized.prefetch",
-        "embedding.forward.columns"}
+        "embedding.forward.columns", "embedding.bf16.layout"}
     assert forward.COLUMNS.heuristic(p(64)) == _knobs.columns_heuristic(p(64))
 
 
@@ -202,7 +218,8 @@ def test_every_split_scheme_is_exact_fp32_sgd_at_every_width(dim, db, one_thread
 @pytest.mark.parametrize("name, bf16", [("embedding.forward.prefetch", False), ("embedding.update.prefetch.sgd", False),
                                         ("embedding.update.prefetch.adagrad", False),
                                         ("embedding.bf16.widen.forward", True), ("embedding.bf16.widen.sgd", True),
-                                        ("embedding.forward.columns", False), ("embedding.forward.columns", True)])
+                                        ("embedding.forward.columns", False), ("embedding.forward.columns", True),
+                                        ("embedding.bf16.layout", True)])
 def test_every_candidate_computes_the_default_results(name, bf16, db, one_thread):
     knob = knobs.get(name)
     problem = (ROWS, DIM, POOLING, BATCH, 2 if bf16 else 4, 1)

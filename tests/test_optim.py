@@ -40,10 +40,16 @@ def test_sgd_checks_arguments():
     np.testing.assert_array_equal(q, -2.0)
 
 
-def test_split_table_roundtrip_is_exact_including_special_values():
+@pytest.mark.parametrize("layout", ["split", "pairs"])
+def test_split_table_roundtrip_is_exact_including_special_values(layout):
     specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -3e-39, 3.4e38, 1.0, -1.5], np.float32)
     w = np.concatenate([specials, np.random.default_rng(0).standard_normal(90).astype(np.float32)]).reshape(20, 5)
-    t = SplitBF16Table.from_float32(w)
+    t = SplitBF16Table.from_float32(w, layout)
+    assert t.layout == layout and layout in repr(t)
+    if layout == "pairs":  # lo[r] right after hi[r]
+        assert t.lo.ctypes.data - t.hi.ctypes.data == 10 and t.hi.strides == t.lo.strides == (20, 2)
+    else:
+        assert t.hi.flags.c_contiguous and t.lo.flags.c_contiguous
     hi, lo = reference.bf16_split(w)
     np.testing.assert_array_equal(t.hi, hi)
     np.testing.assert_array_equal(t.lo, lo)
@@ -65,6 +71,19 @@ def test_split_table_checks_arguments():
         SplitBF16Table(np.ones((2, 2), np.uint16), np.ones((2, 3), np.uint16))
     with pytest.raises(ValueError, match="2-D"):
         SplitBF16Table(np.ones(4, np.uint16), np.ones(4, np.uint16))
+    with pytest.raises(ValueError, match="layout"):
+        SplitBF16Table.from_float32(np.ones((2, 2), np.float32), "interleaved")
+    buf = np.zeros((3, 8), np.uint16)
+    with pytest.raises(ValueError, match="dense rows"):  # elements two apart
+        SplitBF16Table(buf[:, ::2], buf[:, 1::2])
+    for hi, lo in [(buf[:, :4], buf[:, 2:6]), (buf[:, :4], buf[:, :4]), (buf[:2, :6], buf[1:, 2:])]:
+        with pytest.raises(ValueError, match="overlap"):
+            SplitBF16Table(hi, lo)
+    # any two disjoint sets of dense rows are accepted: column halves, in either order, or row halves
+    assert SplitBF16Table(buf[:, :4], buf[:, 4:]).layout == "pairs"
+    assert SplitBF16Table(buf[:, 4:], buf[:, :4]).layout == "split"
+    tall = np.zeros((4, 4), np.uint16)
+    assert SplitBF16Table(tall[:2], tall[2:]).layout == "split"
 
 
 # --------------------------------------------------------------------------- Split-SGD on dense pairs

@@ -45,8 +45,11 @@ def stack_f32(typingctx, n):
 
 
 def _is_table(a, dtypes=(types.float32, types.uint16)):
-    """A 2-D C-contiguous array (rows are dense: the row ops load and store whole vectors)."""
-    return isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" and a.dtype in dtypes
+    """A 2-D array of dense rows (the row ops load and store whole vectors): C-contiguous, or of
+    any layout for uint16 bf16 halves (a pairs SplitBF16Table's halves are row-strided views, whose
+    elements SplitBF16Table checks are adjacent)."""
+    return (isinstance(a, types.Array) and a.ndim == 2 and a.dtype in dtypes
+            and (a.layout == "C" or a.dtype == types.uint16))
 
 
 def _row_ptr(context, builder, aryty, ary, rowty, row):

@@ -7,6 +7,7 @@ updates (SGD, BF16 Split-SGD, row-wise and element-wise Adagrad), with the table
     adagrad.py     embedding_bag_adagrad_ (row-wise)
     adagrad_exact.py  embedding_bag_adagrad_exact_ (element-wise, on adagrad.py's paths)
     split_bf16.py  SplitBF16Table
+    layout.py      the layout knob of SplitBF16Table (split halves or row pairs)
     quantized.py   QuantizedTable, embedding_bag_quantized_forward (8- and 4-bit row-wise tables)
     psw.py         embedding_bag_per_sample_weights_backward (learned weighted pooling)
     grouping.py    grouping a batch's entries by row: hashed linking, radix sorting
@@ -19,6 +20,7 @@ from .adagrad import embedding_bag_adagrad_
 from .adagrad_exact import embedding_bag_adagrad_exact_
 from .backward import embedding_bag_backward
 from .forward import embedding_bag_forward
+from .layout import layout_for
 from .psw import embedding_bag_per_sample_weights_backward
 from .sgd import embedding_bag_sgd_
 from .split_bf16 import SplitBF16Table

@@ -101,23 +101,26 @@ def call_problem(rows, dim, nnz, nbags, itemsize, threads) -> tuple:
     return rows, dim, max(1, nnz // max(nbags, 1)), nbags, itemsize, threads
 
 
-_TABLES = weakref.WeakValueDictionary()  # (rows, dim, itemsize) -> a table some runner still holds
+_TABLES = weakref.WeakValueDictionary()  # (rows, dim, itemsize, layout) -> a table some runner still holds
 
 
-def make_table(problem):
+def make_table(problem, layout=None):
     """A (rows, dim) table of the problem's itemsize with every page touched (a float32 ndarray, or
-    a SplitBF16Table for itemsize 2). Shared while a runner holds it: the tuner keeps a problem's
-    runners until its last candidate is timed, so a large table is built once per problem."""
+    a SplitBF16Table for itemsize 2, in `layout`, default the layout knob's choice). Shared while
+    a runner holds it: the tuner keeps a problem's runners until its last candidate is timed, so
+    a large table is built once per problem."""
     rows, dim, _, _, itemsize, _ = problem
-    key = (rows, dim, itemsize)
+    if itemsize == 2 and layout is None:
+        from .layout import LAYOUT  # its runner times the kernels, whose modules import this one
+        layout = LAYOUT.choose(problem)["layout"]
+    key = (rows, dim, itemsize, layout)
     table = _TABLES.get(key)
     if table is not None:
         return table
     if itemsize == 2:
-        hi, lo = empty_table(rows, dim, np.uint16), empty_table(rows, dim, np.uint16)
-        hi.fill(0x3C23)  # the high half of float32(0.01)
-        lo.fill(0xD70A)  # and its low half: exactly float32(0.01)
-        table = SplitBF16Table(hi, lo)
+        table = SplitBF16Table.empty(rows, dim, layout)
+        table.hi.fill(0x3C23)  # the high half of float32(0.01)
+        table.lo.fill(0xD70A)  # and its low half: exactly float32(0.01)
     else:
         table = empty_table(rows, dim)
         table.fill(0.01)

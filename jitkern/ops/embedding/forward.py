@@ -178,11 +178,11 @@ def _prefetch_candidates(problem, quick):
             + [{"distance": d, "hint": hint, "step": 128} for hint in ("l1", "l2") for d in (8, 16, 32) if pairs])
 
 
-def _timed(problem, prefetch=None, widen=None, cols=None):
-    """The forward of the problem's batches with these choices (None: the knobs'), inputs built
-    here (untimed)."""
+def _timed(problem, prefetch=None, widen=None, cols=None, layout=None):
+    """The forward of the problem's batches with these choices (None: the knobs'), on a table of
+    `layout` (bf16; None: the knob's), inputs built here (untimed)."""
     _, dim, _, batch, itemsize, threads = problem
-    table = make_table(problem)
+    table = make_table(problem, layout)
     w = table.hi if itemsize == 2 else table
     batches, _ = draw_batches(problem)
     serial = batches[0][0].shape[0] * dim <= PARALLEL.choose(problem)["serial_max_work"]

@@ -268,10 +268,12 @@ def _target(table):
     return (table, _NO_LO) if isinstance(table, np.ndarray) else (table.hi, table.lo)
 
 
-def _timed(problem, prefetch, widen):
-    """The fused SGD of the problem's batches with these choices, inputs built here (untimed)."""
+def _timed(problem, prefetch=None, widen=None, layout=None):
+    """The fused SGD of the problem's batches with these choices (None: the knobs'), on a table of
+    `layout` (bf16; None: the knob's), inputs built here (untimed)."""
     rows, dim, _, _, itemsize, threads = problem
-    target = _target(make_table(problem))
+    prefetch, widen = prefetch or PREFETCH.choose(problem), widen or WIDEN.choose(problem)
+    target = _target(make_table(problem, layout))
     batches, dout = draw_batches(problem)
     nnz = batches[0][0].shape[0]
     nparts = _parts(nnz, dim, rows * dim * 4, threads, PARALLEL.choose(problem))
