@@ -6,6 +6,8 @@ Compile cost: the candidates run at D=64 with one thread (the serial kernels the
 times as well), the parallel thresholds at a generic width whose kernels the property tests
 of test_embedding.py compile anyway.
 """
+import gc
+
 import numba
 import numpy as np
 import pytest
@@ -335,6 +337,18 @@ def test_runners_share_one_batch_pool_and_position():
     alone = _knobs.cycle(calls)
     alone()
     assert seen == [0, 1, 2, 0]  # without a pool: its own position
+
+
+@pytest.mark.parametrize("layout", ["split", "pairs"])
+def test_runners_of_a_bf16_problem_share_one_table(layout, db):
+    """The kernels hold a SplitBF16Table's halves only: the runners hold the table itself, or each
+    candidate would build another (several tables of a large problem at once)."""
+    problem = (ROWS, 128, POOLING, BATCH, 2, 1)
+    runners = [forward._timed(problem, layout=layout), sgd._timed(problem, layout=layout),
+               forward._timed(problem, layout=layout)]
+    gc.collect()
+    table = _knobs.make_table(problem, layout)
+    assert table.layout == layout and all(r.table is table for r in runners)
 
 
 def test_hint_chooser_times_both_choices_and_keeps_the_faster(monkeypatch):

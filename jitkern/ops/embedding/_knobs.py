@@ -165,9 +165,11 @@ def draw_batches(problem, nbags=None, seed=0):
     return pool, pool.dout
 
 
-def cycle(calls, batches=None):
+def cycle(calls, batches=None, table=None):
     """A callable that makes the next of `calls` each time (a new batch per call, as in training);
-    with `batches` (the Batches the calls were made from) the position is the pool's, shared."""
+    with `batches` (the Batches the calls were made from) the position is the pool's, shared.
+    `table`: the make_table table the calls read, held while the callable lives (calls on a
+    SplitBF16Table hold its halves only, and without it the next runner would build another)."""
     state = [0] if batches is None else batches.at
 
     def call():
@@ -175,6 +177,7 @@ def cycle(calls, batches=None):
         state[0] = k + 1 if k + 1 < len(calls) else 0
         return calls[k]()
     call.batches = batches  # keeps a shared pool alive as long as its runners
+    call.table = table
     return call
 
 

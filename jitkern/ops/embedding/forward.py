@@ -189,7 +189,7 @@ def _timed(problem, prefetch=None, widen=None, cols=None, layout=None):
     kern = get_kernel(_spec(dim, itemsize == 2, serial, prefetch or PREFETCH.choose(problem),
                             widen or WIDEN.choose(problem), (cols or COLUMNS.choose(problem))["cols"]))
     out = np.empty((batch, dim), np.float32)
-    call = cycle([functools.partial(kern, w, bags, min(_CHUNKS, batch), out) for bags in batches], batches)
+    call = cycle([functools.partial(kern, w, bags, min(_CHUNKS, batch), out) for bags in batches], batches, table)
     return call if serial else on_threads(threads, call)
 
 

@@ -273,7 +273,8 @@ def _timed(problem, prefetch=None, widen=None, layout=None):
     `layout` (bf16; None: the knob's), inputs built here (untimed)."""
     rows, dim, _, _, itemsize, threads = problem
     prefetch, widen = prefetch or PREFETCH.choose(problem), widen or WIDEN.choose(problem)
-    target = _target(make_table(problem, layout))
+    table = make_table(problem, layout)
+    target = _target(table)
     batches, dout = draw_batches(problem)
     nnz = batches[0][0].shape[0]
     nparts = _parts(nnz, dim, rows * dim * 4, threads, PARALLEL.choose(problem))
@@ -281,7 +282,7 @@ def _timed(problem, prefetch=None, widen=None, layout=None):
     work = np.empty(nnz * nparts, np.int64) if nparts > 1 else _NO_SCRATCH
     lanes = _lanes(dout, _in_lanes(itemsize == 2, dim, widen["scheme"]), nparts)
     call = cycle([functools.partial(kern, bags, dout, _LR, target, work, nparts, lanes) for bags in batches],
-                 batches)
+                 batches, table)
     return call if nparts == 1 else on_threads(threads, call)
 
 
