@@ -17,7 +17,8 @@ from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_fo
 from jitkern.config import CACHE_PRESETS
 from jitkern.ops.embedding import _knobs, adagrad, forward, sgd
 from jitkern.ops.embedding._rows import prefetch_distance
-from jitkern.ops.embedding.layout import PAIRS_FROM_L3, layout_for
+from jitkern.ops.embedding.layout import PAIRS_FROM_L3
+from jitkern.ops.embedding.split_bf16 import layout_for
 
 ROWS, DIM, POOLING, BATCH = 5000, 64, 4, 256
 WORKLOAD = knobs.Workload(tables=((ROWS, DIM, POOLING, BATCH, 4),))

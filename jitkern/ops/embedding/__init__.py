@@ -20,11 +20,11 @@ from .adagrad import embedding_bag_adagrad_
 from .adagrad_exact import embedding_bag_adagrad_exact_
 from .backward import embedding_bag_backward
 from .forward import embedding_bag_forward
-from .layout import layout_for
+from .layout import LAYOUT  # noqa: F401  (declares the layout knob from_float32 asks)
 from .psw import embedding_bag_per_sample_weights_backward
 from .sgd import embedding_bag_sgd_
-from .split_bf16 import SplitBF16Table
+from .split_bf16 import SplitBF16Table, layout_for
 
-__all__ = ["SPECIALISED_D", "SplitBF16Table", "embedding_bag_adagrad_", "embedding_bag_adagrad_exact_",
+__all__ = ["SPECIALISED_D", "SplitBF16Table", "embedding_bag_adagrad_", "embedding_bag_adagrad_exact_", "layout_for",
            "embedding_bag_backward",
            "embedding_bag_forward", "embedding_bag_per_sample_weights_backward", "embedding_bag_sgd_", "empty_table"]

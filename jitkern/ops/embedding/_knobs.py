@@ -18,7 +18,7 @@ import numpy as np
 from ...codegen.knobs import pow2_class
 from ...codegen.target import VECTOR_REGISTERS, VECTOR_WIDTH, host_target, target_isa
 from ._rows import NO_PSW, d_class, empty_table
-from .split_bf16 import SplitBF16Table
+from .split_bf16 import SplitBF16Table, layout_for
 
 NEVER = 1 << 62           # a work threshold no call reaches
 _INDEX_BYTES = 128 << 20  # index memory a batch pool may hold (it caps the pool of narrow rows)
@@ -111,8 +111,7 @@ def make_table(problem, layout=None):
     a large table is built once per problem."""
     rows, dim, _, _, itemsize, _ = problem
     if itemsize == 2 and layout is None:
-        from .layout import LAYOUT  # its runner times the kernels, whose modules import this one
-        layout = LAYOUT.choose(problem)["layout"]
+        layout = layout_for(rows, dim, problem[5])
     key = (rows, dim, itemsize, layout)
     table = _TABLES.get(key)
     if table is not None:

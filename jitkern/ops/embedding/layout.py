@@ -15,8 +15,7 @@ from ...codegen.knobs import knob
 from ...codegen.target import host_target
 from . import forward, sgd
 from ._knobs import problems, quick_class, shape_class
-from ._rows import num_threads
-from .split_bf16 import LAYOUTS
+from .split_bf16 import LAYOUT_KNOB, LAYOUTS
 
 PAIRS_FROM_L3 = 8  # tables (both halves) beyond this many last-level caches are built as pairs
 
@@ -43,13 +42,7 @@ def _timed(problem, params):
     return step
 
 
-LAYOUT = knob("embedding.bf16.layout", doc="how a SplitBF16Table stores its halves: two arrays, or one of row pairs",
+LAYOUT = knob(LAYOUT_KNOB, doc="how a SplitBF16Table stores its halves: two arrays, or one of row pairs",
               heuristic=_heuristic, shape_class=shape_class, quick_class=quick_class,
               problems=lambda w: problems(w, itemsizes=(2,)), candidates=_candidates, runner=_timed)
 
-
-def layout_for(rows: int, dim: int, threads: int | None = None) -> str:
-    """The layout (LAYOUTS) SplitBF16Table.from_float32 builds a (rows, dim) table in: the knob's
-    choice, tuned or heuristic."""
-    threads = num_threads() if threads is None else threads
-    return LAYOUT.choose((int(rows), int(dim), 1, 1, 2, int(threads)))["layout"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ...codegen import jit
+from ...codegen import jit, knobs
 from ...codegen.bf16 import as_float32, as_uint32
-from ._rows import empty_table
+from ._rows import empty_table, num_threads
 
 
 @jit(parallel=True)
@@ -30,6 +30,15 @@ def _join(hi, lo, w):
 
 
 LAYOUTS = ("split", "pairs")
+LAYOUT_KNOB = "embedding.bf16.layout"  # declared in layout.py, with a runner that times the kernels
+
+
+def layout_for(rows: int, dim: int, threads: int | None = None) -> str:
+    """The layout (LAYOUTS) SplitBF16Table.from_float32 builds a (rows, dim) table in: the layout
+    knob's choice, tuned or heuristic (looked up by name: its runner imports the kernels, whose
+    modules import this one)."""
+    threads = num_threads() if threads is None else threads
+    return knobs.get(LAYOUT_KNOB).choose((int(rows), int(dim), 1, 1, 2, int(threads)))["layout"]
 
 
 def _dense_rows(name, a):
@@ -100,7 +109,6 @@ class SplitBF16Table:
         if w.dtype != np.float32 or w.ndim != 2:
             raise TypeError(f"weight must be a 2-D float32 array, got {w.dtype} with shape {w.shape}")
         if layout is None:
-            from .layout import layout_for  # its knob's runner times the kernels, which import this module
             layout = layout_for(*w.shape)
         table = cls.empty(w.shape[0], w.shape[1], layout)
         if w.size:
