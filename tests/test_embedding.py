@@ -142,11 +142,14 @@ def test_all_paths_agree_bit_for_bit(p):
                             embedding_bag_adagrad_(w.copy(), state, idx, off, dout, 0.3, **kw), state,
                             embedding_bag_forward(split, idx, off, **kw),
                             embedding_bag_sgd_(split, idx, off, dout, 0.3, **kw).to_float32()])
-            # both layouts of a bf16 table: the same halves, so the same sums and updates
-            np.testing.assert_array_equal(embedding_bag_forward(pairs, idx, off, **kw), results[-1][-2])
-            embedding_bag_sgd_(pairs, idx, off, dout, 0.3, **kw)
-            np.testing.assert_array_equal(pairs.hi, split.hi)
-            np.testing.assert_array_equal(pairs.lo, split.lo)
+            # one path per example (each is drawn, at a third of the cost) and int64 indices (the layout
+            # and the index type are independent types of the kernels: each combination is a compile)
+            if path == PATHS[len(idx) % len(PATHS)] and idx.dtype == np.int64:
+                # both layouts of a bf16 table: the same halves, so the same sums and updates
+                np.testing.assert_array_equal(embedding_bag_forward(pairs, idx, off, **kw), results[-1][-2])
+                embedding_bag_sgd_(pairs, idx, off, dout, 0.3, **kw)
+                np.testing.assert_array_equal(pairs.hi, split.hi)
+                np.testing.assert_array_equal(pairs.lo, split.lo)
     for other in results[1:]:
         for got, want in zip(other, results[0]):
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
@@ -179,8 +182,8 @@ def test_specialised_widths(dim):
         np.testing.assert_allclose(drows, want_drows, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["split", "pairs"])
-@pytest.mark.parametrize("dim", [*SPECIALISED_D, 37])
+@pytest.mark.parametrize("dim, layout", [(d, "split") for d in (*SPECIALISED_D, 37)]
+                         + [(d, "pairs") for d in (SPECIALISED_D[0], SPECIALISED_D[-1], 37)])
 def test_bf16_split_sgd_equals_fp32_sgd_bit_for_bit(dim, layout):
     rng = np.random.default_rng(dim)
     w = rng.standard_normal((300, dim)).astype(np.float32)
