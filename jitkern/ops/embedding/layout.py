@@ -45,4 +45,3 @@ def _timed(problem, params):
 LAYOUT = knob(LAYOUT_KNOB, doc="how a SplitBF16Table stores its halves: two arrays, or one of row pairs",
               heuristic=_heuristic, shape_class=shape_class, quick_class=quick_class,
               problems=lambda w: problems(w, itemsizes=(2,)), candidates=_candidates, runner=_timed)
-
