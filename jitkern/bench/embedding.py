@@ -113,7 +113,7 @@ def _bench_table(rng, num_rows, dim, batch, dists, torch, rows_out, notes, alloc
             row[-1] = f"{numpy_t / mine:.1f}x" if row[2].startswith("jitkern") else ""
 
 
-ROUNDS = 2              # interleaved timing rounds per case
+ROUNDS = 5              # interleaved timing rounds per case (the same time in all: more turns, not more reps)
 POOL_BYTES = 96 << 20   # table bytes the batches of one timing loop touch in all at least
 INDEX_BYTES = 256 << 20  # index memory a pool may hold (it caps the pools of narrow rows)
 
