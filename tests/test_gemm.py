@@ -322,6 +322,24 @@ def test_fused_b_pack_of_one_row_block_matches_b_packed_whole(m, n, k, kc, ta, a
     assert_close(fused, want.astype(np.float32), np.abs(a).max() * np.abs(b).max() * k + np.abs(c0).max() + 1, k)
 
 
+@pytest.mark.parametrize("n", [512, 1024, 1000])
+@pytest.mark.parametrize("k", [300, 1100])
+def test_b_read_in_place_matches_b_packed(n, k):
+    # a small batch's dx reads B's rows where they lie (2 KiB-multiple strides included, the next
+    # panel hinted ahead, K passes that keep a pass's rows in L2); B given transposed is packed
+    # instead. The same FMA chains either way: identical bits, for the heuristic's blocks and others
+    mr, nr, _ = G.tile_shape()
+    rng = np.random.default_rng(n + k)
+    for m in (3 * mr + 1, 40):
+        a, b = arrays(rng, m, k), arrays(rng, k, n)
+        packed = G.gemm_into(a, np.ascontiguousarray(b.T), np.empty((m, n), np.float32), False, True,
+                             G.shape_blocks({"mc": m, "kc": k}, m, n, k, 1))
+        for blocks in (G.blocks_for("linear_dx", m, n, k, 1), G.shape_blocks({"mc": 2 * mr, "kc": 64}, m, n, k, 1)):
+            got = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks)
+            np.testing.assert_array_equal(got.view(np.uint32), packed.view(np.uint32))
+        assert_close(packed, a.astype(np.float64) @ b.astype(np.float64), np.abs(a).max() * np.abs(b).max(), k)
+
+
 @pytest.mark.parametrize("m,n", [(2048, 256), (7, 33), (2, 2)])
 @pytest.mark.parametrize("alpha", [1.0, -0.5])
 def test_k1_outer_product_path_with_every_epilogue(m, n, alpha):

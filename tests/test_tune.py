@@ -127,9 +127,9 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
     """The heuristic keeps strided rows within the prefetchers' reach: a column panel's strip of C
     rows spans at most max(kc/2, PAGE_STREAMS) pages of 4 KiB (and a short K's strip no fewer)
     unless it is one register tile high or the whole of C sits in half of L2; B read in place by
-    more than two row tiles gives K passes of at most PAGE_STREAMS pages of rows (or 64), by one
-    or two a long K loop all the same; A's columns read in place (a C
-    of one column panel) at most the rows of L2; a block is never taller than C."""
+    more than two row tiles gives K passes of at most the rows of L2 (or 64), even where one pass
+    would do, by one or two a long K loop all the same; A's columns read in place (a C of one
+    column panel) at most the rows of L2; a block is never taller than C."""
     mr, _, _ = G.tile_shape()
     h = G.heuristic_blocks(variant, m, n, k)
     mc, kc = h["mc"], h["kc"]
@@ -141,11 +141,10 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
     if mc < G._round_to(m, mr) and kc < 2 * G.PAGE_STREAMS:  # a short K loop: still a strip of PAGE_STREAMS
         assert mc >= min(G.PAGE_STREAMS * rows_per_page - mr, (caches.l2 // 4) // (128 * 4) - mr, 512 // mr * mr)
     tb = variant.startswith("linear_forward")
-    # one K pass of one block holding all of a small C, or B's rows in place within the pages
-    one_pass = kc >= k and mc == G._round_to(m, mr) and k * 4 <= G.PAGE and m * n * 4 <= caches.l2 // 2
-    if G.b_in_place(tb, m, n, mr) and k > 64 and not one_pass and m > 2 * mr:
-        assert kc <= max(64, G.PAGE_STREAMS * rows_per_page)
-    if G.b_in_place(tb, m, n, mr) and m <= 2 * mr and k >= 512:
+    b_in_place = G.b_in_place(tb, m, n, mr, G.tile_shape()[1])
+    if b_in_place and k > 64 and m > 2 * mr:
+        assert kc <= max(64, caches.l2 // (n * 4))
+    if b_in_place and m <= 2 * mr and k >= 512:
         assert kc >= 256
     if variant in ("linear_dw", "linear_dwt") and n <= G.tile_shape()[1] and k > 64:  # A's columns in place
         assert kc <= max(64, caches.l2 // (m * 4))  # their kc rows fit L2 even in the fewest sets
@@ -153,14 +152,18 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
 
 def test_a_small_c_takes_one_k_pass(caches):
     """One block holding all of a small C (a small batch's dx) takes K in one pass while A's rows
-    are at most a page long; a longer K, or a C too tall for one block, keeps several passes."""
+    are at most a page long and B is packed (or read in place by at most two row tiles); a longer K,
+    a C too tall for one block, or B's rows reread in place beyond what L2 holds keep several."""
     mr, nr, _ = G.tile_shape()
     kmax = G.PAGE // 4
-    for m, n, k in ((32, 1024, kmax), (32, 479, kmax), (12, 512, kmax // 2 + 4)):
+    for m, n, k in ((32, 1024, kmax), (32, 479, kmax), (12, 512, kmax // 2 + 4), (2 * mr, 1024, kmax)):
         h = G.heuristic_blocks("linear_dx", m, n, k)
         whole = G._round_to(m, mr)
-        if whole * k * 4 <= caches.l2 * 3 // 4 and m * n * 4 <= caches.l2 // 2:
+        reread = G.b_in_place(False, m, n, mr, nr) and m > 2 * mr and k * n * 4 > caches.l2
+        if whole * k * 4 <= caches.l2 * 3 // 4 and m * n * 4 <= caches.l2 // 2 and not reread:
             assert h == {"mc": whole, "kc": k}, (m, n, k, h)
+        elif reread:
+            assert h["mc"] == whole and h["kc"] < k and h["kc"] <= max(64, caches.l2 // (n * 4)), (m, n, k, h)
         else:
             assert caches.l2 < 512 << 10, "Zen 3's and Zen 4's caches hold these blocks"
     assert G.heuristic_blocks("linear_dx", 32, 1024, 2 * kmax)["kc"] < 2 * kmax

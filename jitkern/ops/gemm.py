@@ -42,12 +42,12 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
 
     kc: a kc x NR B micro-panel of about twice L1 (at most 512): the tile streams it in order,
     so the prefetcher keeps up from L2, and a long K loop amortises the C tile's load and store
-    per pass. Where B is read in place by more than two row tiles, its kc rows are as many strided
-    streams reread per tile: kept within PAGE_STREAMS pages (one or two tiles read each row at most
-    twice: a dwt of 13 x 1024 x 2048 ran at 35 GF/s with kc = 64, 71 with 256-512). Where A's
-    columns are (a C of one column panel), the next row tiles reread the lines of those kc rows:
-    they must stay in L2 even when their stride maps them to the same sets (kc x A's row stride
-    <= L2). kc is then split evenly over K.
+    per pass. Where B is read in place by more than two row tiles, the later tiles reread its kc
+    rows' lines from L2 (one or two tiles read each row at most twice: a dwt of 13 x 1024 x 2048
+    ran at 35 GF/s with kc = 64, 71 with 256-512), and where A's columns are (a C of one column panel), the next row tiles
+    reread the lines of those kc rows: either way they must stay in L2 even when their stride maps
+    them to the same sets (kc x the row stride <= L2: dx 32 x 1024 x 1024 from L3 ran at 66 GF/s
+    in one K pass, 95 in passes of 256 rows, on Zen 4). kc is then split evenly over K.
 
     mc: the mc x kc A block (packed, or rows read in place) in a quarter of L2, which it shares
     with the B micro-panels and C: it is reused over every column panel of its C block. A sweep
@@ -60,24 +60,22 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     keep, and all of B's one panel streams through once per C block.
 
     One K pass where one block holds all of C (small m: each B row is read once per column panel
-    whatever kc is) and each of A's rows is at most a 4 KiB page long: passes would only add the C
-    tiles' reload and store (dx 32 x 1024 x 1024: 66 -> 83 GF/s on Zen 4, 45 -> 55 with the AVX2
-    tile and Zen 3's caches; B read in place, 32 x 479 x 1024: 80 -> 92). A K of 2048 in one pass
-    lost 10-40% on both tiles."""
+    whatever kc is), each of A's rows is at most a 4 KiB page long and B is packed: passes would
+    only add the C tiles' reload and store. A K of 2048 in one pass lost 10-40% on both tiles."""
     t = host_target()
     mr, nr, _ = tile_for(t.isa)
     kc0 = min(512, max(128, (2 * t.l1d) // (nr * 4) // 16 * 16))
     one_panel_dw = variant in ("linear_dw", "linear_dwt") and n <= nr  # A's columns read in place
-    if one_panel_dw:
-        kc0 = min(kc0, max(64, t.l2 // (m * 4) // 16 * 16))
-    elif b_in_place(variant in ("linear_forward", "linear_forward_t"), m, n, mr) and m > 2 * mr:
-        kc0 = min(kc0, max(64, _rows_in_pages(PAGE_STREAMS, n * 4) // 16 * 16))
+    strided_b = b_in_place(variant in ("linear_forward", "linear_forward_t"), m, n, mr, nr) and m > 2 * mr
+    for reread, row_floats in ((one_panel_dw, m), (strided_b, n)):  # kc rows of A's columns, of B
+        if reread:
+            kc0 = min(kc0, max(64, t.l2 // (row_floats * 4) // 16 * 16))
     whole = _round_to(m, mr)
 
     def one_block(kc):  # all rows' A block in 3/4 of L2, all of C in half
         return whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2
 
-    if not one_panel_dw and k * 4 <= PAGE and one_block(k):
+    if not (one_panel_dw or strided_b) and k * 4 <= PAGE and one_block(k):
         return {"mc": whole, "kc": _round_to(k, 4)}
     passes = max(1, -(-k // kc0))
     kc = _round_to(-(-k // passes), 4)

@@ -64,11 +64,15 @@ def prefetch_c(flat, off, ld, rows, nbytes):
 
 
 @jit(inline="always")
-def b_in_place(tb, m, n, mr):
+def b_in_place(tb, m, n, mr, nr):
     """Whether the driver reads B's full panels in place (row stride n) instead of packing them:
     B is (k, n) and few row tiles reuse each panel (under 16), unless its row stride is a multiple
-    of 2 KiB (rows fighting over a few L1/L2 sets) and more than two row tiles reuse it."""
-    return not tb and m < 16 * mr and (n % 512 != 0 or m <= 2 * mr)
+    of 2 KiB (its rows all in a few L1 sets: each tile rereads them from L2), more than two row
+    tiles reuse it and a panel's row is under two cache lines (too few FMAs per row to hide the
+    rereads: the AVX2 tile lost 20-30% so, the AVX-512 one gained). The sweep hints each next
+    panel's rows while it computes the current one (rows a stride apart: no hardware prefetcher
+    follows them), and the blocking keeps a K pass's rows within L2 (ops/gemm.py)."""
+    return not tb and m < 16 * mr and (n % 512 != 0 or m <= 2 * mr or nr * 4 >= 128)
 
 
 @jit(inline="always")
@@ -260,6 +264,7 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
     a_inplace, ta, b_inplace, b_fused, load, epi, use_bias, relu, use_mask = mode
     masking = epi and use_mask
     flags = (load, epi, use_bias, relu, masking)
+    nip = (mcb + mr - 1) // mr
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
         nrem = min(nr, n - jj)
@@ -272,9 +277,13 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
             b_op = (bp, p0 * nr, nr)
         else:
             b_op = (bflat, p0 * n + jj, n)
-        for ip in range((mcb + mr - 1) // mr):
+        ahead = b_inplace and not b_fused and jj + 2 * nr <= min(n, j0 + ncb)  # the next panel: full, ours
+        for ip in range(nip):
             ii = i0 + ip * mr
             mrem = min(mr, i0 + mcb - ii)
+            if ahead:  # a share of the next panel's rows before each row tile: a burst of them all
+                r0 = ip * kcb // nip  # would fill the queue of misses the tile's own loads wait in
+                prefetch_rows(bflat, (p0 + r0) * n + jj + nr, n, (ip + 1) * kcb // nip - r0, nr * 4)
             if a_inplace and mrem == mr:
                 a_op = (aflat, p0 * m + ii, m, 1) if ta else (aflat, ii * k + p0, 1, k)
             else:
@@ -313,10 +322,10 @@ def _gemm_factory(spec: KernelSpec):
         npan = (n + NR - 1) // NR
         # Pack B into k-major NR-wide panels (panel p at p * ps) unless b_in_place: packed, one
         # aligned cache line per NR floats instead of lines split at B's row stride, and the copy
-        # is a small share once 16 row tiles reuse a panel (for one or two it costs more than
-        # the set conflicts of a 2 KiB-multiple stride). In place, only a ragged last panel is
-        # packed, zero-padded, into panel 0 of bp.
-        inplace = b_in_place(tb, m, n, MR)
+        # is a small share once 16 row tiles reuse a panel (for fewer, reading the panels where they
+        # lie costs less than copying them). In place, only a ragged last panel is packed,
+        # zero-padded, into panel 0 of bp.
+        inplace = b_in_place(tb, m, n, MR, NR)
         packed = (1 if n % NR else 0) if inplace else npan
         npc = max(1, (k + kc - 1) // kc)
         nib, njb = (m + mc - 1) // mc, (n + nc - 1) // nc
