@@ -170,6 +170,33 @@ def test_a_small_c_takes_one_k_pass(caches):
     assert G.heuristic_blocks("linear_dx", 2048, 1024, kmax)["kc"] <= 512
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_runners_time_the_problems_thread_count(monkeypatch, threads):
+    """A tuning entry for t threads is timed on t threads whatever numba is set to: a one-thread
+    entry timed on two would favour blocks that split the work."""
+    import numba
+    B = importlib.import_module("jitkern.ops.gemm_bf16")
+    seen = []
+    for mod, name in ((G, "gemm_into"), (B, "gemm_bf16_into")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, **kw: (seen.append(numba.get_num_threads()),
+                                                                     _real(*a, **kw))[1])
+    want = min(threads, numba.config.NUMBA_NUM_THREADS)
+    other = 2 if want == 1 else 1
+    knob_runs = [(G.BLOCKS["linear_dw"], (64, 256, 96, threads)), (G.FORWARD_LAYOUT, (8, 64, 32, threads)),
+                 (B.BLOCKS["linear_forward"], (16, 64, 32, threads))]
+    before = numba.get_num_threads()
+    numba.set_num_threads(min(other, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for kn, problem in knob_runs:
+            seen.clear()
+            kn.runner(problem, kn.heuristic(problem))()
+            assert seen and set(seen) == {want}, (kn.name, seen)
+        assert numba.get_num_threads() == min(other, numba.config.NUMBA_NUM_THREADS)  # restored
+    finally:
+        numba.set_num_threads(before)
+
+
 def test_choice_follows_db_and_environment(db, monkeypatch):
     kn = G.BLOCKS["linear_forward"]
     p = (300, 200, 100, 1)

@@ -24,8 +24,11 @@ their knobs when imported.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
+
+import numba
 
 from ..config import choice_token
 from . import tunedb
@@ -131,3 +134,23 @@ def memo_choices(fn):
 def pow2_class(*dims: int) -> str:
     """Bucket dims to powers of two ("2048x1024x16"): one tuned entry serves similar shapes."""
     return "x".join(str(1 << max(0, int(d) - 1).bit_length()) for d in dims)
+
+
+@contextlib.contextmanager
+def numba_threads(n: int):
+    """Run the block with n numba threads (at most numba's pool), then restore the setting."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
+
+
+def on_threads(threads: int, call):
+    """`call` run with `threads` numba threads: a runner's timed callable times the problem's thread
+    count, not whatever numba is set to (a one-thread entry timed on two favours split blocks)."""
+    def run():
+        with numba_threads(threads):
+            return call()
+    return run

@@ -15,7 +15,7 @@ import numba
 import numpy as np
 
 from ..codegen import host_target, target_isa
-from ..codegen.knobs import knob, pow2_class
+from ..codegen.knobs import knob, on_threads, pow2_class
 from ..codegen.simd import tile_for
 from . import _check, gemm_bf16
 from .bf16 import BF16Array
@@ -126,7 +126,7 @@ def _runner(variant):
         ta, tb = variant in ("linear_dw", "linear_dwt"), variant in ("linear_forward", "linear_forward_t")
         a, b, c = _inputs(ta, tb, m, n, k)
         blocks = shape_blocks(params, m, n, k, threads)
-        return lambda: gemm_into(a, b, c, ta, tb, blocks)
+        return on_threads(threads, lambda: gemm_into(a, b, c, ta, tb, blocks))
     return runner
 
 
@@ -153,10 +153,10 @@ def _forward_problems(w):
 
 
 def _layout_runner(problem, params):
-    batch, out, k, _ = problem
+    batch, out, k, threads = problem
     x, w, y = _inputs(False, True, batch, out, k)
     bias = np.zeros(out, np.float32)
-    return lambda: _forward(x, w, bias, y, True, params["transposed"])
+    return on_threads(threads, lambda: _forward(x, w, bias, y, True, params["transposed"]))
 
 
 # problem (batch, out, in, threads), as linear_forward's blocks

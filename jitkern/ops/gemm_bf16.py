@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from ..codegen import host_target
-from ..codegen.knobs import knob, pow2_class
+from ..codegen.knobs import knob, on_threads, pow2_class
 from . import _check
 from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, layer_problems, split_for_threads
@@ -68,7 +68,7 @@ def _runner(variant):
         b = BF16Array.from_float32(rng.standard_normal((n, k) if tb else (k, n), dtype=np.float32)).bits
         c = np.empty((m, n), np.uint16 if variant == "linear_forward" else np.float32)
         blocks = shape_blocks(params, m, n, k, threads)
-        return lambda: gemm_bf16_into(a, b, c, ta, tb, blocks)
+        return on_threads(threads, lambda: gemm_bf16_into(a, b, c, ta, tb, blocks))
     return runner
 
 

@@ -12,7 +12,7 @@ from numba import prange
 
 from ..codegen import jit
 from ..codegen.bf16 import as_float32, as_uint32
-from ..codegen.knobs import knob
+from ..codegen.knobs import knob, numba_threads
 from ..codegen.qrowvec import fma_f32
 from . import _check
 from .bf16 import BF16Array
@@ -59,15 +59,11 @@ def _sgd_search(problem, quick, timer):
     if threads < 2:
         return {"min_size": _PARALLEL_MIN}  # one thread: nothing to split
     sizes = [1 << e for e in (range(13, 19) if quick else range(12, 21))]
-    before = numba.get_num_threads()
-    numba.set_num_threads(threads)
-    try:
+    with numba_threads(threads):
         for size in sizes:
             p, g, lr = np.zeros(size, np.float32), np.ones(size, np.float32), np.float32(1e-3)
             if timer(lambda: _sgd_parallel(p, g, lr)) < timer(lambda: _sgd_serial(p, g, lr)):
                 return {"min_size": size}
-    finally:
-        numba.set_num_threads(before)
     return {"min_size": 2 * sizes[-1]}
 
 

@@ -9,13 +9,11 @@ in for later calls'.
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 
-import numba
 import numpy as np
 
-from ...codegen.knobs import pow2_class
+from ...codegen.knobs import numba_threads, on_threads, pow2_class  # noqa: F401  (the runners' thread helpers)
 from ...codegen.target import VECTOR_REGISTERS, VECTOR_WIDTH, host_target, target_isa
 from ._rows import NO_PSW, d_class, empty_table
 from .split_bf16 import SplitBF16Table, layout_for
@@ -178,25 +176,6 @@ def cycle(calls, batches=None, table=None):
     call.batches = batches  # keeps a shared pool alive as long as its runners
     call.table = table
     return call
-
-
-@contextlib.contextmanager
-def numba_threads(n: int):
-    """Run the block with n numba threads (at most numba's pool), then restore the setting."""
-    before = numba.get_num_threads()
-    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(before)
-
-
-def on_threads(threads: int, call):
-    """`call` run with `threads` numba threads (a runner's timed callable for a parallel kernel)."""
-    def run():
-        with numba_threads(threads):
-            call()
-    return run
 
 
 def crossover(timer, sizes, run):
