@@ -5,7 +5,9 @@ linear_backward(..., need_dx=False) on a narrow input (a dozen dense features ag
 of outputs) would otherwise write the masked gradient g (N x M) to memory in the ReLU pass (which
 also sums db) and read it back in a GEMM with few FLOPs. Here g is made a chunk of rows at a time
 into a buffer that stays in L2, laid out as the GEMM register tile's k-major panels
-(codegen/simd.py), and db comes out of the same tiles as one more row of A, all ones:
+(codegen/simd.py); without a ReLU (g = dy) the tiles read dy's full panels where they lie, the
+next panel's rows hinted ahead, so that reading dy overlaps the FMAs instead of preceding them.
+db comes out of the same tiles as one more row of A, all ones:
 
     C (KP, M) = [x | 1 | 0 ...]^T @ g,   dW = C[:K]^T,   db = C[K]
 
@@ -26,7 +28,7 @@ from numba import prange
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa, uidx as _u
 from ..codegen.bf16 import relu_keep
 from ..codegen.simd import fma_tile, tile_code, tile_for
-from .gemm_kernel import prefetch_run, rows_ahead
+from .gemm_kernel import prefetch_rows, prefetch_run, rows_ahead
 from .workspace import thread_buffer
 
 log = logging.getLogger("jitkern")
@@ -98,12 +100,26 @@ def _factory(spec: KernelSpec):
         for t in prange(tasks):  # a task: consecutive column panels (a panel's sums: one task's order)
             gp = chunks[t * per_task:(t + 1) * per_task]
             pfirst, pend = t * npan // tasks, (t + 1) * npan // tasks
+            # without a mask, dy's full panels are read where they lie, each panel's chunk rows
+            # hinted while the panel before computes; only a ragged last panel is copied, padded
+            copied = pfirst if relu else (pend - 1 if m % NR and pend == npan else pend)
             for p0 in range(0, n, kc):
                 rows = min(kc, n - p0)
-                _mask_rows(gp, (dyf, yf), NR, rows, (p0, pfirst, pend, m, n), relu)
+                if copied < pend:
+                    _mask_rows(gp, (dyf, yf), NR, rows, (p0, copied, pend, m, n), relu)
                 for p in range(pfirst, pend):
+                    q0, q = n, pfirst  # the panel hinted next: none
+                    if p < copied:
+                        b_op = (dyf, p0 * m + p * NR, m)
+                        q0, q = (p0, p + 1) if p + 1 < copied else (p0 + kc, pfirst)
+                    else:
+                        b_op = (gp, (p - copied) * rows * NR, NR)
                     for ip in range(kp // MR):
-                        fma_tile(CODE, rows, (xa, p0 * kp + ip * MR, kp, 1), (gp, (p - pfirst) * rows * NR, NR),
+                        if q0 < n:
+                            part = min(kc, n - q0)
+                            r0, r1 = ip * part * MR // kp, (ip + 1) * part * MR // kp
+                            prefetch_rows(dyf, (q0 + r0) * m + q * NR, m, r1 - r0, NR * 4)
+                        fma_tile(CODE, rows, (xa, p0 * kp + ip * MR, kp, 1), b_op,
                                  (ct, ip * MR * ldc + p * NR, ldc), (nothing, 0), (p0 > 0, False, False, False, False),
                                  (nothing, 0))
             for j in range(pfirst * NR, min(m, pend * NR)):
