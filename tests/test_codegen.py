@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jitkern.codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
-from jitkern.codegen.simd import fma_tile, tile_code
+from jitkern.codegen.simd import MASK_BYTE, MASK_F32, MASK_OUT, fma_tile, tile_code
 from jitkern.codegen.target import VECTOR_WIDTH
 
 
@@ -167,15 +167,16 @@ _TILE = tile_code(4, 8, 4)  # a 4 x 8 tile of <4 x float> vectors: valid on ever
 
 
 @jit()
-def _one_tile(a, b, c, bias, mask, geo, flags):
+def _one_tile(a, b, c, bias, mask, maskb, geo, flags):
     kc, aoff, ak, ar, boff, ldb, coff, ldc = geo
-    fma_tile(_TILE, kc, (a, aoff, ak, ar), (b, boff, ldb), (c, coff, ldc), (bias, 3), flags, (mask, coff))
+    fma_tile(_TILE, kc, (a, aoff, ak, ar), (b, boff, ldb), (c, coff, ldc), (bias, 3), flags, (mask, maskb, coff))
 
 
 def test_fma_tile_strides_offsets_and_epilogue():
     """One register tile against NumPy: A read through (k, row) strides, B and C through row strides
-    at offsets, for every (load, epi, use_bias, relu, use_mask); integer values, so exact. The mask
-    (C's layout) keeps C where it is > 0, else +0.0 (NaN masks too)."""
+    at offsets, for every (load, epi, use_bias, relu) and mask mode; integer values, so exact. A
+    float mask (C's layout) keeps C where it is > 0 (NaN masks too), a byte mask where nonzero;
+    MASK_OUT writes C > 0 as bytes 1 / 0 and leaves the bytes around the tile alone."""
     mr, nr, kc = 4, 8, 5
     rng = np.random.default_rng(0)
     lda, ldb, ldc = 9, nr + 5, nr + 2
@@ -188,16 +189,22 @@ def test_fma_tile_strides_offsets_and_epilogue():
     mask = rng.integers(-1, 2, c0.size).astype(np.float32)
     mask[5] = np.nan
     keep = mask[1:1 + mr * ldc].reshape(mr, ldc)[:, :nr] > 0
-    for flags in np.ndindex(2, 2, 2, 2, 2):
-        load, epi, use_bias, relu, use_mask = (bool(f) for f in flags)
-        c = c0.copy()
-        _one_tile(a, b, c, bias, mask, (kc, 2, 1, lda, 7, ldb, 1, ldc), (load, epi, use_bias, relu, use_mask))
+    bytes0 = (mask > 0) * rng.integers(1, 256, c0.size).astype(np.uint8)   # any nonzero byte keeps
+    for flags in np.ndindex(2, 2, 2, 2, 4):
+        load, epi, use_bias, relu = (bool(f) for f in flags[:4])
+        mode = flags[4]
+        c, maskb = c0.copy(), bytes0.copy()
+        _one_tile(a, b, c, bias, mask, maskb, (kc, 2, 1, lda, 7, ldb, 1, ldc), (load, epi, use_bias, relu, mode))
         want = A @ B + (c0[1:1 + mr * ldc].reshape(mr, ldc)[:, :nr] if load else 0)
         if epi:
             want = want + (bias[3:] if use_bias else 0)
             want = np.maximum(want, 0) if relu else want
-            want = np.where(keep, want, 0.0) if use_mask else want
+            want = np.where(keep, want, 0.0) if mode in (MASK_F32, MASK_BYTE) else want
         got = c[1:1 + mr * ldc].reshape(mr, ldc)
         np.testing.assert_array_equal(got[:, :nr], want, err_msg=str(flags))
         np.testing.assert_array_equal(got[:, nr:], c0[1:1 + mr * ldc].reshape(mr, ldc)[:, nr:])  # untouched
+        want_b = bytes0.copy()
+        if epi and mode == MASK_OUT:
+            want_b[1:1 + mr * ldc].reshape(mr, ldc)[:, :nr] = want > 0
+        np.testing.assert_array_equal(maskb, want_b, err_msg=str(flags))
         assert c[0] == c0[0]

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jitkern.codegen import host_target
-from jitkern.ops import batch_reduce_gemm, gemm, linear_backward, linear_forward
+from jitkern.ops import BF16Array, batch_reduce_gemm, gemm, linear_backward, linear_forward
 from jitkern.ops import reference as ref
 
 G = importlib.import_module("jitkern.ops.gemm")
@@ -267,35 +267,71 @@ def relu_output(rng, n, k):
     return x
 
 
-@given(n=dims, k=dims, m=dims, act=st.sampled_from([None, "relu"]), outs=st.booleans(), seed=st.integers(0, 99))
-def test_input_relu_masks_dx_exactly_as_a_separate_relu_backward(n, k, m, act, outs, seed):
-    # dx masked in the dx GEMM's epilogue (or after the matrix-vector kernels) = the unmasked dx
-    # with x's inactive units (x <= 0 or NaN) set to +0.0, bit for bit; dw and db unchanged
+@given(n=dims, k=dims, m=dims, act=st.sampled_from([None, "relu"]), outs=st.booleans(), by_mask=st.booleans(),
+       seed=st.integers(0, 99))
+def test_input_relu_masks_dx_exactly_as_a_separate_relu_backward(n, k, m, act, outs, by_mask, seed):
+    # dx masked in the dx GEMM's epilogue (or after the matrix-vector kernels), by x or by its
+    # byte mask x > 0, = the unmasked dx with x's inactive units (x <= 0 or NaN) set to +0.0, bit
+    # for bit; dw and db unchanged
     rng = np.random.default_rng(seed)
     x, w = relu_output(rng, n, k), arrays(rng, m, k)
     y, dy = np.maximum(arrays(rng, n, m), 0), arrays(rng, n, m)
     given_dx = np.full((n, k), np.nan, np.float32) if outs else None
-    dx, dw, db = linear_backward(dy, x, w, y, activation=act, input_relu=True, out_dx=given_dx)
+    x_mask = x > 0 if by_mask else None
+    dx, dw, db = linear_backward(dy, x, w, y, activation=act, input_relu=True, out_dx=given_dx, x_mask=x_mask)
     pdx, pdw, pdb = linear_backward(dy, x, w, y, activation=act)
     want = np.where(x > 0, pdx, np.float32(0.0))
     np.testing.assert_array_equal(dx.view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(dw, pdw)
     np.testing.assert_array_equal(db, pdb)
-    rdx = ref.linear_backward(dy, x, w, y, activation=act, input_relu=True)[0]
+    rdx = ref.linear_backward(dy, x, w, y, activation=act, input_relu=True, x_mask=x_mask)[0]
     assert_close(dx, rdx, np.abs(dy).astype(np.float64) @ np.abs(w), m)
 
 
 @given(m=dims, n=dims, k=st.integers(1, 200), mc=st.sampled_from([6, 12, 30]), kc=st.sampled_from([4, 16, 64]),
-       nc=st.sampled_from([16, 48, 512]), seed=st.integers(0, 99))
-def test_gemm_mask_over_k_passes_blocks_and_edge_tiles(m, n, k, mc, kc, nc, seed):
+       nc=st.sampled_from([16, 48, 512]), kind=st.sampled_from(["float32", "bool", "uint8"]), seed=st.integers(0, 99))
+def test_gemm_mask_over_k_passes_blocks_and_edge_tiles(m, n, k, mc, kc, nc, kind, seed):
     # small blocks: several K passes (the mask must not cut partial sums), row and column blocks,
-    # and edge tiles (masked in the scalar copy-out)
+    # and edge tiles (masked in the scalar copy-out); a ReLU output, or its byte mask (uint8: any
+    # nonzero byte keeps)
     rng = np.random.default_rng(seed)
     a, b, mask = arrays(rng, m, k), arrays(rng, k, n), relu_output(rng, m, n)
+    given = {"float32": mask, "bool": mask > 0, "uint8": (mask > 0) * rng.integers(1, 256, (m, n)).astype(np.uint8)}
     blocks = G.shape_blocks({"mc": mc, "kc": kc}, m, n, k, 1)
     plain = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks)
-    got = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, mask=mask)
+    got = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, mask=given[kind])
     np.testing.assert_array_equal(got.view(np.uint32), np.where(mask > 0, plain, np.float32(0.0)).view(np.uint32))
+
+
+@given(m=dims, n=dims, k=st.integers(1, 200), mc=st.sampled_from([6, 12, 30]), kc=st.sampled_from([4, 16, 64]),
+       bias=st.booleans(), relu=st.booleans(), seed=st.integers(0, 99))
+def test_gemm_mask_out_is_the_outputs_sign_over_blocks_and_edge_tiles(m, n, k, mc, kc, bias, relu, seed):
+    # the epilogue writes C > 0 (NaN: False) as bytes, in full and edge tiles, after the last K
+    # pass only; C itself is bit for bit what it is without the mask
+    rng = np.random.default_rng(seed)
+    a, b, bv = arrays(rng, m, k), arrays(rng, k, n), arrays(rng, n) if bias else None
+    a[rng.integers(0, m), rng.integers(0, k)] = np.nan
+    blocks = G.shape_blocks({"mc": mc, "kc": kc}, m, n, k, 1)
+    plain = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, bias=bv, relu=relu)
+    mask = np.ones((m, n), np.bool_)
+    got = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, bias=bv, relu=relu, mask_out=mask)
+    np.testing.assert_array_equal(got.view(np.uint32), plain.view(np.uint32))
+    np.testing.assert_array_equal(mask, plain > 0)
+
+
+@given(n=dims, k=dims, m=dims, bias=st.booleans(), transposed=st.booleans(), seed=st.integers(0, 99))
+def test_linear_forward_out_mask_in_both_layouts(n, k, m, bias, transposed, seed):
+    # out_mask = y > 0 whichever layout ran the GEMM, and y unchanged by asking for it
+    rng = np.random.default_rng(seed)
+    x, w, b = arrays(rng, n, k), arrays(rng, m, k), arrays(rng, m) if bias else None
+    want = G._forward(x, w, b, np.empty((n, m), np.float32), True, transposed)
+    mask = np.zeros((n, m), np.bool_)
+    got = G._forward(x, w, b, np.empty((n, m), np.float32), True, transposed, mask)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(mask, want > 0)
+    public = np.zeros((n, m), np.bool_)
+    linear_forward(x, w, b, activation="relu", out_mask=public)
+    np.testing.assert_array_equal(public, want > 0)
 
 
 @given(m=st.integers(1, 40), n=st.integers(2, 300), k=st.integers(2, 200), kc=st.sampled_from([4, 16, 64]),
@@ -346,7 +382,8 @@ def test_k1_outer_product_path_with_every_epilogue(m, n, alpha):
     # K = 1 (the click-logit layer's dx) runs as an outer product: C written once, NaN-filled first
     rng = np.random.default_rng(m + n)
     a, b, bias, mask = arrays(rng, m, 1), arrays(rng, 1, n), arrays(rng, n), relu_output(rng, m, n)
-    for kw in ({}, {"bias": bias}, {"bias": bias, "relu": True}, {"mask": mask}, {"bias": bias, "mask": mask}):
+    for kw in ({}, {"bias": bias}, {"bias": bias, "relu": True}, {"mask": mask}, {"bias": bias, "mask": mask},
+               {"mask": mask > 0}, {"bias": bias, "relu": True, "mask_out": np.zeros((m, n), np.bool_)}):
         c = np.full((m, n), np.nan, np.float32)
         got = G.gemm_into(a, b, c, False, False, G.shape_blocks({"mc": 12, "kc": 1}, m, n, 1, 1), alpha=alpha, **kw)
         want = (np.float32(alpha) * a) * b  # one rounding of each product, as the register tile's
@@ -354,6 +391,8 @@ def test_k1_outer_product_path_with_every_epilogue(m, n, alpha):
         want = np.maximum(want, 0) if kw.get("relu") else want
         want = np.where(mask > 0, want, np.float32(0.0)) if "mask" in kw else want
         np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+        if "mask_out" in kw:
+            np.testing.assert_array_equal(kw["mask_out"], want > 0)
 
 
 def test_input_relu_needs_dx():
@@ -361,6 +400,27 @@ def test_input_relu_needs_dx():
     with pytest.raises(ValueError, match="input_relu=True masks dx, but need_dx is False"):
         linear_backward(np.ones((4, 2), np.float32), f32, np.ones((2, 3), np.float32), need_dx=False,
                         input_relu=True)
+
+
+def test_relu_masks_are_checked():
+    x, w, dy = np.ones((4, 3), np.float32), np.ones((2, 3), np.float32), np.ones((4, 2), np.float32)
+    with pytest.raises(ValueError, match="out_mask .* needs activation='relu'"):
+        linear_forward(x, w, out_mask=np.zeros((4, 2), np.bool_))
+    with pytest.raises(TypeError, match="out_mask must be a bool"):
+        linear_forward(x, w, activation="relu", out_mask=np.zeros((4, 2), np.uint8))
+    with pytest.raises(ValueError, match=r"out_mask must have shape \(4, 2\)"):
+        linear_forward(x, w, activation="relu", out_mask=np.zeros((2, 4), np.bool_))
+    with pytest.raises(ValueError, match="x_mask .* needs input_relu=True"):
+        linear_backward(dy, x, w, x_mask=np.ones((4, 3), np.bool_))
+    with pytest.raises(TypeError, match="x_mask must have dtype bool"):
+        linear_backward(dy, x, w, input_relu=True, x_mask=x)
+    with pytest.raises(ValueError, match=r"x_mask must have shape \(4, 3\)"):
+        linear_backward(dy, x, w, input_relu=True, x_mask=np.ones((3, 4), np.bool_))
+    xb, wb = BF16Array.from_float32(x), BF16Array.from_float32(w)
+    with pytest.raises(ValueError, match="out_mask is for float32 layers"):
+        linear_forward(xb, wb, activation="relu", out_mask=np.zeros((4, 2), np.bool_))
+    with pytest.raises(ValueError, match="x_mask is for float32 layers"):
+        linear_backward(dy, xb, wb, input_relu=True, x_mask=np.ones((4, 3), np.bool_))
 
 
 def test_parallel_results_are_deterministic_across_thread_counts():
@@ -397,6 +457,12 @@ def test_lower_isa_paths(monkeypatch, isa):
     for got, want in zip(linear_backward(dy, x, w, y, activation="relu"),
                          ref.linear_backward(dy, x, w, y, activation="relu")):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+    mask = np.zeros((67, 45), np.bool_)  # the byte masks of this ISA's tile, edge tiles included
+    np.testing.assert_array_equal(linear_forward(x, w, b, activation="relu", out_mask=mask), y)
+    np.testing.assert_array_equal(mask, y > 0)
+    w2 = arrays(rng, 45, 45)
+    dx = linear_backward(dy, y, w2, input_relu=True, x_mask=mask)[0]
+    np.testing.assert_array_equal(dx, linear_backward(dy, y, w2, input_relu=True)[0])
 
 
 def test_validation_names_the_argument():

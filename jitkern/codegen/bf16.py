@@ -49,7 +49,8 @@ def _widen_impl(x):
 
 
 def relu_keep(v, y):
-    """v where y > 0, else +0.0 (NaN y included), float32 (njit only). Bit arithmetic: written as a
+    """v where y > 0, else +0.0 (NaN y included), float32 (njit only); y: the ReLU's output,
+    float32 or bf16 bits, or a byte mask (bool, uint8: nonzero keeps). Bit arithmetic: written as a
     conditional over bf16 data, LLVM leaves the loop scalar with a branch per element on AVX2
     (18x slower there)."""
     raise NotImplementedError("relu_keep is callable from njit code only")
@@ -57,6 +58,12 @@ def relu_keep(v, y):
 
 @overload(relu_keep, inline="always")
 def _relu_keep_impl(v, y):
-    if v == types.float32 and y == types.float32:
-        return lambda v, y: as_float32(as_uint32(v) & (np.uint32(0) - np.uint32(y > 0)))
+    if v != types.float32:
+        return None
+    if y in (types.float32, types.uint16):
+        return lambda v, y: as_float32(as_uint32(v) & (np.uint32(0) - np.uint32(widen(y) > 0)))
+    if y == types.boolean:
+        return lambda v, y: as_float32(as_uint32(v) & (np.uint32(0) - np.uint32(y)))
+    if y in (types.uint8, types.int8):
+        return lambda v, y: as_float32(as_uint32(v) & (np.uint32(0) - np.uint32(y != 0)))
     return None

@@ -4,7 +4,10 @@ The GEMM microkernel computes one MR x NR tile of C from packed panels:
 
     acc = (load ? C[0:MR, 0:NR] : 0) + sum_k  ap[0:MR, k] (outer) bp[k, 0:NR]
     if epi: acc = relu?(acc + bias?[0:NR])        (use_bias / relu: runtime flags)
-            acc = acc where M[0:MR, 0:NR] > 0 else +0.0 (use_mask: M laid out as C)
+            then by the mask mode, M and Mb laid out as C (M float32, Mb bytes):
+            MASK_F32:  acc = acc where M[0:MR, 0:NR] > 0 else +0.0  (a ReLU's backward by its output)
+            MASK_BYTE: acc = acc where Mb[0:MR, 0:NR] != 0 else +0.0 (by a mask MASK_OUT wrote)
+            MASK_OUT:  Mb[0:MR, 0:NR] = acc > 0                     (the mask of this ReLU's output)
     C[0:MR, 0:NR] = acc
 
 ap is an A micro-panel with element (r, k) at k * ak + r * ar (packed k-major: ak = MR, ar = 1;
@@ -35,7 +38,11 @@ TILES = {"avx512": (8, 32), "avx2": (6, 16), "neon": (8, 12), "scalar": (4, 4)}
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
+_I8 = ir.IntType(8)
 _I1 = ir.IntType(1)
+
+# the tile's mask modes (see the module doc)
+NO_MASK, MASK_F32, MASK_BYTE, MASK_OUT = 0, 1, 2, 3
 
 
 def tile_for(isa: str) -> tuple[int, int, int]:
@@ -84,6 +91,12 @@ class _Tile:
         off = bld.add(bld.mul(ir.Constant(_I64, r), self.ldc), ir.Constant(_I64, v * self.vw))
         return bld.bitcast(bld.gep(self.pc if base is None else base, [off]), self.vec.as_pointer())
 
+    def byte_ptr(self, r, v, base):
+        """Pointer to the v-th vector of row r of a byte matrix laid out as C from `base`."""
+        bld = self.bld
+        off = bld.add(bld.mul(ir.Constant(_I64, r), self.ldc), ir.Constant(_I64, v * self.vw))
+        return bld.bitcast(bld.gep(base, [off]), ir.VectorType(_I8, self.vw).as_pointer())
+
     def grid(self, make):
         """[[make(r, v) for each vector v of row r] for each row r]."""
         return [[make(r, v) for v in range(self.nv)] for r in range(self.mr)]
@@ -91,10 +104,10 @@ class _Tile:
 
 def _declare(module, name, vw):
     """The tile function fn(kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu,
-    pmask, use_mask), always inlined, its pointers noalias; and llvm.fma on <vw x float>."""
+    pmask, pmaskb, mask_mode), always inlined, its pointers noalias; and llvm.fma on <vw x float>."""
     fp, vec = _F32.as_pointer(), ir.VectorType(_F32, vw)
     fnty = ir.FunctionType(ir.VoidType(), [_I64, fp, _I64, _I64, fp, _I64, fp, _I64, _I1, _I1, fp, _I1, _I1,
-                                           fp, _I1])
+                                           fp, _I8.as_pointer(), _I64])
     fn = ir.Function(module, fnty, name=name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
@@ -165,13 +178,27 @@ def _emit_epilogue(t: _Tile, acc, pbias, use_bias, relu):
             for row in done]
 
 
-def _emit_mask(t: _Tile, acc, pmask):
-    """acc where the mask tile (C's layout, from pmask) is > 0, else +0.0: a ReLU's backward by its
-    output (an ordered compare: a NaN output masks too), as ops' relu_keep."""
+def _emit_mask(t: _Tile, acc, pmask, byte):
+    """acc where the mask tile (C's layout, from pmask) is > 0 (an ordered compare: a NaN output
+    masks too, as ops' relu_keep), or where the byte mask tile is nonzero (byte: pmask is bytes, a
+    quarter of the lines to read), else +0.0: a ReLU's backward."""
     bld, vec, vw = t.bld, t.vec, t.vw
     zero = ir.Constant(vec, [0.0] * vw)
-    keep = t.grid(lambda r, v: bld.fcmp_ordered(">", bld.load(t.c_ptr(r, v, pmask), align=4), zero))
+    if byte:
+        none = ir.Constant(ir.VectorType(_I8, vw), [0] * vw)
+        keep = t.grid(lambda r, v: bld.icmp_unsigned("!=", bld.load(t.byte_ptr(r, v, pmask), align=1), none))
+    else:
+        keep = t.grid(lambda r, v: bld.fcmp_ordered(">", bld.load(t.c_ptr(r, v, pmask), align=4), zero))
     return [[bld.select(keep[r][v], acc[r][v], zero) for v in range(t.nv)] for r in range(t.mr)]
+
+
+def _emit_mask_out(t: _Tile, acc, pmaskb):
+    """Mb = acc > 0 as bytes 1 / 0 (NaN: 0), C's layout from pmaskb: the mask MASK_BYTE reads."""
+    bld, vw = t.bld, t.vw
+    zero, byte = ir.Constant(t.vec, [0.0] * vw), ir.VectorType(_I8, vw)
+    for r in range(t.mr):
+        for v in range(t.nv):
+            bld.store(bld.zext(bld.fcmp_ordered(">", acc[r][v], zero), byte), t.byte_ptr(r, v, pmaskb), align=1)
 
 
 def _emit_store(t: _Tile, incoming):
@@ -198,11 +225,11 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     if fn is not None:
         return fn
     fn, fma = _declare(module, name, vw)
-    kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu, pmask, use_mask = fn.args
+    kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu, pmask, pmaskb, mask_mode = fn.args
     names = ("entry", "load_c", "k_pick", "k_pick2", "kp_head", "kp_body", "kr_head", "kr_body", "kg_head",
-             "kg_body", "k_done", "epilogue", "mask", "store")
+             "kg_body", "k_done", "epilogue", "mask", "mask_b", "mask_out", "store")
     (entry, b_load, b_pick, b_pick2, bp_head, bp_body, br_head, br_body, bg_head, bg_body, b_tail, b_epi,
-     b_mask, b_store) = (fn.append_basic_block(n) for n in names)
+     b_mask, b_maskb, b_mask_out, b_store) = (fn.append_basic_block(n) for n in names)
     t = _Tile(ir.IRBuilder(entry), mr, nr // vw, vw, pc, ldc, fma)
     bld = t.bld
     fp, one = _F32.as_pointer(), ir.Constant(_I64, 1)
@@ -238,19 +265,28 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     bld.cbranch(epi, b_epi, b_store)
     bld.position_at_end(b_epi)
     done = _emit_epilogue(t, acc, pbias, use_bias, relu)
-    bld.cbranch(use_mask, b_mask, b_store)
-    bld.position_at_end(b_mask)   # a branch, not a select: the mask is not read unless used
-    masked = _emit_mask(t, done, pmask)
+    # branches, not selects: a mask is not touched unless used
+    modes = bld.switch(mask_mode, b_store)
+    for mode, block in ((MASK_F32, b_mask), (MASK_BYTE, b_maskb), (MASK_OUT, b_mask_out)):
+        modes.add_case(ir.Constant(_I64, mode), block)
+    bld.position_at_end(b_mask)
+    masked = _emit_mask(t, done, pmask, False)
+    bld.branch(b_store)
+    bld.position_at_end(b_maskb)
+    masked_b = _emit_mask(t, done, pmaskb, True)
+    bld.branch(b_store)
+    bld.position_at_end(b_mask_out)
+    _emit_mask_out(t, done, pmaskb)
     bld.branch(b_store)
     bld.position_at_end(b_store)
-    _emit_store(t, [(b_tail, acc), (b_epi, done), (b_mask, masked)])
+    _emit_store(t, [(b_tail, acc), (b_epi, done), (b_mask, masked), (b_maskb, masked_b), (b_mask_out, done)])
     bld.ret_void()
     return fn
 
 
 # --------------------------------------------------------------------------- the numba intrinsic
 
-_OPERANDS = {"a": 2, "b": 1, "c": 1, "bias": 0, "mask": 0}  # strides after (array, offset)
+_OPERANDS = {"a": 2, "b": 1, "c": 1, "bias": 0}  # strides after (array, offset)
 
 
 def _is_operand(ty, strides: int) -> bool:
@@ -259,12 +295,24 @@ def _is_operand(ty, strides: int) -> bool:
             and ty.types[0].dtype == types.float32 and all(isinstance(x, types.Integer) for x in ty.types[1:]))
 
 
+def _is_mask(ty) -> bool:
+    """ty is the type of a (float32 array, uint8 array, offset) tuple."""
+    return (isinstance(ty, types.BaseTuple) and len(ty) == 3 and all(isinstance(a, types.Array) for a in ty.types[:2])
+            and ty.types[0].dtype == types.float32 and ty.types[1].dtype == types.uint8
+            and isinstance(ty.types[2], types.Integer))
+
+
+def _element(context, builder, arr_ty, arr, off_ty, off):
+    """Pointer to flat array arr[off]."""
+    data = context.make_array(arr_ty)(context, builder, arr).data
+    return builder.gep(data, [context.cast(builder, off, off_ty, types.int64)])
+
+
 def _operand(context, builder, ty, value):
     """(pointer to array[offset], [strides as int64]) of an (array, offset, *strides) tuple."""
     parts = [builder.extract_value(value, i) for i in range(len(ty))]
-    ints = [context.cast(builder, v, t, types.int64) for v, t in zip(parts[1:], ty.types[1:])]
-    data = context.make_array(ty.types[0])(context, builder, parts[0]).data
-    return builder.gep(data, [ints[0]]), ints[1:]
+    ints = [context.cast(builder, v, t, types.int64) for v, t in zip(parts[2:], ty.types[2:])]
+    return _element(context, builder, ty.types[0], parts[0], ty.types[1], parts[1]), ints
 
 
 # One module-level intrinsic whose tile shape arrives as a literal int: numba's disk cache keys a
@@ -276,17 +324,17 @@ def fma_tile(typingctx, code, kc, a, b, c, bias, flags, mask):
     module doc).
 
     a = (array, offset, k stride, row stride), b = (array, offset, row stride), c = (array, offset,
-    row stride), bias and mask = (array, offset) (mask: row stride c's): flat float32 arrays and
-    integers; flags = (load, epi, use_bias, relu, use_mask) booleans; code = tile_code(...) must be
-    a compile-time constant.
+    row stride), bias = (array, offset): flat float32 arrays and integers; mask = (flat float32
+    M, flat uint8 Mb, offset: C's, the row stride c's); flags = (load, epi, use_bias, relu)
+    booleans and the mask mode (an integer); code = tile_code(...) must be a compile-time constant.
     """
-    operands = {"a": a, "b": b, "c": c, "bias": bias, "mask": mask}
+    operands = {"a": a, "b": b, "c": c, "bias": bias}
     if not isinstance(code, types.IntegerLiteral) or not isinstance(kc, types.Integer):
         return None
-    if not all(_is_operand(operands[k], n) for k, n in _OPERANDS.items()):
+    if not (all(_is_operand(operands[k], n) for k, n in _OPERANDS.items()) and _is_mask(mask)):
         return None
     if not (isinstance(flags, types.BaseTuple) and len(flags) == 5
-            and all(isinstance(f, types.Boolean) for f in flags.types)):
+            and all(isinstance(f, types.Boolean) for f in flags.types[:4]) and isinstance(flags[4], types.Integer)):
         return None
     mr, nr, vw = _decode(code.literal_value)
 
@@ -297,11 +345,14 @@ def fma_tile(typingctx, code, kc, a, b, c, bias, flags, mask):
         pb, (ldb,) = _operand(context, builder, tys[3], b_)
         pc, (ldc,) = _operand(context, builder, tys[4], c_)
         pbias, () = _operand(context, builder, tys[5], bias_)
-        pmask, () = _operand(context, builder, tys[7], mask_)
-        load, epi, use_bias, relu, use_mask = (context.cast(builder, builder.extract_value(flags_, i), t,
-                                                            types.boolean) for i, t in enumerate(tys[6].types))
+        off = builder.extract_value(mask_, 2)
+        pmask, pmaskb = (_element(context, builder, tys[7][i], builder.extract_value(mask_, i), tys[7][2], off)
+                         for i in (0, 1))
+        load, epi, use_bias, relu = (context.cast(builder, builder.extract_value(flags_, i), tys[6][i], types.boolean)
+                                     for i in range(4))
+        mode = context.cast(builder, builder.extract_value(flags_, 4), tys[6][4], types.int64)
         fn = _emit_tile_function(builder.module, mr, nr, vw)
         builder.call(fn, [context.cast(builder, kc_, tys[1], types.int64), pa, ak, ar, pb, ldb, pc, ldc,
-                          load, epi, pbias, use_bias, relu, pmask, use_mask])
+                          load, epi, pbias, use_bias, relu, pmask, pmaskb, mode])
         return context.get_dummy_value()
     return types.void(code, kc, a, b, c, bias, flags, mask), codegen

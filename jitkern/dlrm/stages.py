@@ -37,19 +37,20 @@ class TrainStages:
     def embedding_forward_start(self, ctx: StepContext) -> None:
         """Embedding work that can run ahead of the bottom MLP and overlap it (one process: none)."""
 
-    def _layer_forward(self, h, w, b, out, act):
+    def _layer_forward(self, h, w, b, out, act, out_mask=None):
         """One linear layer with activation act ("relu", "sigmoid" or None) into out (a BF16Array
-        out: rounded once from the fp32 epilogue); a SplitWeight w: its bf16 half on bf16 h."""
+        out: rounded once from the fp32 epilogue); a SplitWeight w: its bf16 half on bf16 h.
+        out_mask: a ReLU's output mask, written too."""
         if isinstance(w, SplitWeight):
             return ops.linear_forward(h, w.hi, b, activation=act, out=out)
-        y = ops.linear_forward(h, w, b, activation="relu" if act == "relu" else None, out=out)
+        y = ops.linear_forward(h, w, b, activation="relu" if act == "relu" else None, out=out, out_mask=out_mask)
         return ops.sigmoid_forward(y, out=y) if act == "sigmoid" else y
 
-    def _layer_backward(self, dy, x, w, y, act, outs, need_dx=True, input_relu=False):
+    def _layer_backward(self, dy, x, w, y, act, outs, need_dx=True, input_relu=False, x_mask=None):
         """(dx, dw, db) of _layer_forward; y: its output; outs: (out_dx, out_dw), the step buffers
-        they are written to; input_relu: x is a ReLU's output, dx comes back masked by it. A
-        SplitWeight w: bf16 GEMMs, dx bf16 (what the layer below and the interaction read), dw and
-        db fp32."""
+        they are written to; input_relu: x is a ReLU's output, dx comes back masked by it (by x_mask,
+        its forward's out_mask, if given). A SplitWeight w: bf16 GEMMs, dx bf16 (what the layer
+        below and the interaction read), dw and db fp32."""
         out_dx, out_dw = outs
         if isinstance(w, SplitWeight):
             return ops.linear_backward(dy, x, w.hi, y, activation=act, need_dx=need_dx, dx_dtype="bfloat16",
@@ -57,7 +58,7 @@ class TrainStages:
         if act == "sigmoid":
             dy = ops.sigmoid_backward(dy, y)
         return ops.linear_backward(dy, x, w, y, activation="relu" if act == "relu" else None, need_dx=need_dx,
-                                   out_dx=out_dx, out_dw=out_dw, input_relu=input_relu)
+                                   out_dx=out_dx, out_dw=out_dw, input_relu=input_relu, x_mask=x_mask)
 
     def _mlp_backward(self, ctx: StepContext, mlp: str, dy, first_x, need_first_dx):
         """Backward through the layers of `mlp` ("top" or "bottom") from dy at its output; first_x:
@@ -68,13 +69,15 @@ class TrainStages:
                                else (self.bot_w, ctx.buf.bot, self.bottom_mlp))
         grads = [None] * len(ws)
         last, masked = len(ws) - 1, False
+        masks = ctx.buf.relu_masks[mlp] if mlp in ctx.masked else None
         for l in range(last, -1, -1):
             x = first_x if l == 0 else outs_of[l - 1]
             act = None if (masked or (mlp == "top" and l == last)) else self.activation
             fuse = l > 0 and self.activation == "relu"
             need_dx = l > 0 or need_first_dx
             outs = ctx.buf.grads(mlp, l, (widths[l + 1], widths[l]), need_dx)
-            dy, dw, db = self._layer_backward(dy, x, ws[l], outs_of[l], act, outs, need_dx=need_dx, input_relu=fuse)
+            dy, dw, db = self._layer_backward(dy, x, ws[l], outs_of[l], act, outs, need_dx=need_dx, input_relu=fuse,
+                                              x_mask=masks[l - 1] if fuse and masks else None)
             masked = fuse
             grads[l] = (dw, db)
             self.layer_done(ctx, mlp, (l, dw, db))
@@ -84,10 +87,19 @@ class TrainStages:
         """x = bottom MLP(dense); dense: (b, n_dense) -> x: (b, D), the activation after every layer."""
         with self.timer("bottom_fwd"):
             h = self._bottom_input(ctx)
-            for w, b, out in zip(self.bot_w, self.bot_b, ctx.buf.bot):
-                h = self._layer_forward(h, w, b, out, self.activation)
+            masks = self._masks_written(ctx, "bottom")
+            for l, (w, b, out) in enumerate(zip(self.bot_w, self.bot_b, ctx.buf.bot)):
+                h = self._layer_forward(h, w, b, out, self.activation, out_mask=masks[l] if masks else None)
                 self.layer_done(ctx, "bottom", None)
             return h
+
+    @staticmethod
+    def _masks_written(ctx: StepContext, mlp: str):
+        """The ReLU output masks a training forward of `mlp` writes (None: none)."""
+        masks = ctx.buf.relu_masks[mlp] if ctx.lr is not None else None
+        if masks is not None:
+            ctx.masked += (mlp,)
+        return masks
 
     def _bottom_input(self, ctx: StepContext):
         """The bottom MLP's input: the dense features, rounded to bf16 (in place of the step's
@@ -162,8 +174,10 @@ class TrainStages:
         with self.timer("top_fwd"):
             h = z
             last = len(self.top_w) - 1
+            masks = self._masks_written(ctx, "top")
             for l, (w, b, out) in enumerate(zip(self.top_w, self.top_b, ctx.buf.top)):
-                h = self._layer_forward(h, w, b, out, None if l == last else self.activation)
+                h = self._layer_forward(h, w, b, out, None if l == last else self.activation,
+                                        out_mask=masks[l] if masks and l < last else None)
             return h.reshape(-1)
 
     @property

@@ -70,6 +70,11 @@ class Buffers:
         self.cross_x = [act(b, v.shape[1]) for v in model.cross_v]
         self.cross_u = [act(b, v.shape[0]) for v in model.cross_v]
         self.cross_y = [np.empty((b, v.shape[1]), np.float32) for v in model.cross_v]
+        # fp32 ReLU MLPs: each hidden layer's output mask y > 0, written by the forward's epilogue
+        # for the backward's dx epilogue, which reads it in place of y (a quarter of the bytes)
+        masks = not bf16 and model.activation == "relu"
+        self.relu_masks = {"bottom": [np.empty((b, n), np.bool_) for n in model.bottom_mlp[1:]] if masks else None,
+                           "top": [np.empty((b, n), np.bool_) for n in model.top_mlp[1:-1]] if masks else None}
         self.zero_labels = np.zeros(b, np.float32)
         self.dense16 = _bf16(b, model.num_dense) if bf16 else None
         self.pooled16 = _bf16(model.num_tables, b, model.feature_dim) if bf16 else None
@@ -105,3 +110,4 @@ class StepContext:
     psw: list | None = None               # learned pooling: each table's per-lookup weights
     cross_x0: np.ndarray | None = None    # dcn: the cross network's input (b, n)
     cross_grads: list | None = None       # dcn: (dv, dw, db) per cross layer
+    masked: tuple = ()                    # the MLPs ("bottom", "top") whose forward wrote buf.relu_masks

@@ -21,7 +21,7 @@ from . import _check, gemm_bf16
 from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, forward_transposed, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
-from .gemm_kernel import b_in_place, gemm_into
+from .gemm_kernel import b_in_place, gemm_into, write_mask
 from .gemm_passes import relu_grad, transpose_into
 from .workspace import grad_buffer, transposed_buffer
 from .weight_grad import masked_grad_fits, masked_weight_grad
@@ -221,15 +221,27 @@ def gemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, o
     return _run(a, b, out, ta, tb, "gemm", alpha=alpha, beta=beta)
 
 
-def linear_forward(x, w, b=None, *, activation=None, out=None, out_dtype=None):
+def _bytes_fp32_only(x, w, **masks):
+    for name, v in masks.items():
+        if v is not None and (isinstance(x, BF16Array) or isinstance(w, BF16Array)):
+            raise ValueError(f"{name} is for float32 layers; with BF16Array operands leave it None")
+
+
+def linear_forward(x, w, b=None, *, activation=None, out=None, out_dtype=None, out_mask=None):
     """y = act(x @ w.T + b); x: (N, K), w: (M, K), b: (M,) float32 -> y: (N, M).
 
-    With BF16Array x and w: bf16 operands, fp32 accumulation and epilogue, y float32 or bf16 (out_dtype).
+    out_mask (activation="relu" only): a C-contiguous (N, M) bool array, written with y > 0 in the
+    GEMM's epilogue: the mask linear_backward(x_mask=) of the layer reading y takes in place of y,
+    a quarter of its bytes. With BF16Array x and w: bf16 operands, fp32 accumulation and epilogue,
+    y float32 or bf16 (out_dtype).
     """
+    _bytes_fp32_only(x, w, out_mask=out_mask)
     if isinstance(x, BF16Array) or isinstance(w, BF16Array):
         return gemm_bf16.linear_forward(x, w, b, activation=activation, out=out, out_dtype=out_dtype)
     _fp32_only("out_dtype", out_dtype)
     relu = _activation(activation)
+    if out_mask is not None and not relu:
+        raise ValueError("out_mask is the mask of a ReLU's output: it needs activation='relu'")
     x, w = _check.float_array("x", x, ndim=2), _check.float_array("w", w, ndim=2)
     n, k = x.shape
     m = w.shape[0]
@@ -238,32 +250,41 @@ def linear_forward(x, w, b=None, *, activation=None, out=None, out_dtype=None):
     if b is not None:
         b = _check.float_array("b", b, ndim=1, shape=(m,))
     y = np.empty((n, m), np.float32) if out is None else _check.output("out", out, (n, m), x, w)
-    return _forward(x, w, b, y, relu, FORWARD_LAYOUT.choose((n, m, k, numba.get_num_threads()))["transposed"])
+    if out_mask is not None:
+        out_mask = _check.output("out_mask", out_mask, (n, m), x, w, y, dtype=np.bool_)
+    return _forward(x, w, b, y, relu, FORWARD_LAYOUT.choose((n, m, k, numba.get_num_threads()))["transposed"],
+                    out_mask)
 
 
-def _forward(x, w, b, y, relu, transposed):
+def _forward(x, w, b, y, relu, transposed, out_mask=None):
     """y = relu?(x @ w.T + b) on validated arrays, directly or as y.T = w @ x.T: the same FMA
-    chain per element either way, so both layouts give identical bits."""
+    chain per element either way, so both layouts give identical bits. out_mask: y > 0 written."""
     n, m = y.shape
     if not transposed or n * m == 0:
-        return _run(x, w, y, False, True, "linear_forward", bias=b, relu=relu)
+        return _run(x, w, y, False, True, "linear_forward", bias=b, relu=relu, mask_out=out_mask)
     yt = _run(w, x, transposed_buffer(m * n).reshape(m, n), False, True, "linear_forward_t")
-    return transpose_into(yt, y, b, relu)
+    transpose_into(yt, y, b, relu)
+    return y if out_mask is None else write_mask(y, out_mask)
 
 
 def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype=None, out_dx=None, out_dw=None,
-                    input_relu=False):
+                    input_relu=False, x_mask=None):
     """Gradients of linear_forward; dy, y: (N, M), x: (N, K), w: (M, K) -> dx (N, K), dw (M, K), db (M,).
 
     need_dx=False skips dx (returned as None): the first layer's input gradient is never used.
     input_relu=True: x is a ReLU's output, and dx comes back as the gradient at that ReLU's input
     (+0.0 where x <= 0), masked in the GEMM's epilogue; the layer below then takes it with
-    activation=None, and no pass over memory masks it. out_dx, out_dw: caller-given outputs
+    activation=None, and no pass over memory masks it. x_mask (with input_relu): the bool mask x > 0
+    that linear_forward(out_mask=) wrote with x, read in place of x (a quarter of the bytes).
+    out_dx, out_dw: caller-given outputs
     (buffers reused step after step: fresh multi-MB arrays cost a page fault per 4 KiB on every
     call). With BF16Array x and w: bf16 GEMMs; dw, db float32, dx float32 or bf16 (dx_dtype).
     """
     if input_relu and not need_dx:
         raise ValueError("input_relu=True masks dx, but need_dx is False")
+    if x_mask is not None and not input_relu:
+        raise ValueError("x_mask is the mask of x as a ReLU's output: it needs input_relu=True")
+    _bytes_fp32_only(x, w, x_mask=x_mask)
     if isinstance(x, BF16Array) or isinstance(w, BF16Array):
         return gemm_bf16.linear_backward(dy, x, w, y, activation=activation, need_dx=need_dx, dx_dtype=dx_dtype,
                                          out_dx=out_dx, out_dw=out_dw, input_relu=input_relu)
@@ -280,6 +301,8 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
         if y is None:
             raise ValueError("y (the forward output) is required with activation='relu'")
         y = _check.float_array("y", y, ndim=2, shape=dy.shape)
+    if x_mask is not None:
+        x_mask = _check.float_array("x_mask", x_mask, ndim=2, shape=x.shape, dtype=np.bool_)
     dx, dw = _grad_outputs((n, k) if need_dx else None, (m, k), out_dx, out_dw, dy, x, w, y)
     db = np.empty(m, np.float32)
     if not need_dx and n * m and masked_grad_fits(k, tile_shape()[0]):
@@ -290,7 +313,7 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
     else:
         db[:] = 0.0
     if need_dx:
-        _run(g, w, dx, False, False, "linear_dx", mask=x if input_relu else None)
+        _run(g, w, dx, False, False, "linear_dx", mask=(x if x_mask is None else x_mask) if input_relu else None)
     mr, nr, _ = tile_shape()
     if dw_variant(m, k, mr, nr) == "linear_dwt":
         transpose_into(_run(x, g, transposed_buffer(k * m).reshape(k, m), True, False, "linear_dwt"), dw)

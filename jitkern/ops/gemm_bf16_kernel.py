@@ -24,7 +24,7 @@ from numba import prange
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa, tunedb, uidx as _u
 from ..codegen.knobs import knob
 from ..codegen.peaks import bf16_peak_gflops, fma_peak_gflops
-from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
+from ..codegen.simd import NO_MASK, fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, dp_tile, round_bf16
 from ..config import choice_token
 from .gemm_bf16_pack import pair_pack_a_block, pair_pack_b_columns, pair_pack_b_rows, widen_pack_a_block, widen_pack_b
@@ -32,6 +32,7 @@ from .gemm_blocking import split_for_threads
 from .gemm_kernel import prefetch_c
 from .workspace import thread_buffer
 
+_NO_BYTES = np.zeros(1, np.uint8)  # the fp32 tile's byte mask operand, never read here (NO_MASK)
 
 # --------------------------------------------------------------------------- tiles
 
@@ -110,7 +111,7 @@ def _sweep_fma(code, ap, b_src, c_op, scratch, blk, kpass, geo, flags):
     p0, kcb = kpass
     k, ps = geo
     load = flags[0]
-    tflags = (flags[0], flags[1], flags[2], flags[3], False)  # (load, last: the epilogue, use_bias, relu, mask)
+    tflags = (flags[0], flags[1], flags[2], flags[3], NO_MASK)  # (load, last: the epilogue, use_bias, relu, mask)
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
         nrem = min(nr, j0 + ncb - jj)
@@ -122,13 +123,13 @@ def _sweep_fma(code, ap, b_src, c_op, scratch, blk, kpass, geo, flags):
             off = co + (ii - i0) * ld + jj - j0
             if mrem == mr and nrem == nr:
                 prefetch_c(cf, off, ld, mr, nr * 4)
-                fma_tile(code, kcb, a_op, b_op, (cf, off, ld), (biasp, jj), tflags, (biasp, 0))
+                fma_tile(code, kcb, a_op, b_op, (cf, off, ld), (biasp, jj), tflags, (biasp, _NO_BYTES, 0))
             else:
                 if load:
                     for r in range(mrem):
                         for q in range(nrem):
                             scratch[_u(r * nr + q)] = cf[_u(off + r * ld + q)]
-                fma_tile(code, kcb, a_op, b_op, (scratch, 0, nr), (biasp, jj), tflags, (biasp, 0))
+                fma_tile(code, kcb, a_op, b_op, (scratch, 0, nr), (biasp, jj), tflags, (biasp, _NO_BYTES, 0))
                 for r in range(mrem):
                     for q in range(nrem):
                         cf[_u(off + r * ld + q)] = scratch[_u(r * nr + q)]

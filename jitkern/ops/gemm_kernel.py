@@ -23,7 +23,7 @@ from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory, target_isa, uidx as _u
 from ..codegen.prefetch import prefetch_l2, prefetch_write
-from ..codegen.simd import fma_tile, tile_code, tile_dims, tile_for
+from ..codegen.simd import MASK_BYTE, MASK_F32, MASK_OUT, NO_MASK, fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.bf16 import relu_keep
 from .gemm_passes import relu_mask_into
 from .gemv_kernel import gemv_into, outer_into
@@ -215,22 +215,31 @@ def _scale_block(c, blk, beta):
 @jit(inline="always")
 def _edge_tile(code, kcb, a_op, b_op, c_op, bias_op, flags, mask_op, tile, rows, cols):
     """A tile with only rows x cols inside C: computed whole in the scratch `tile`, the valid part
-    copied to C (c_op = (flat C, offset, row stride)) and masked on the way (mask_op: as C's, at
-    the same offset); other arguments as fma_tile's."""
+    copied to C (c_op = (flat C, offset, row stride)) and masked on the way, or its mask written
+    (mask_op: as C's, at the same offset); other arguments as fma_tile's."""
     _, nr = tile_dims(code)
     cf, coff, ldc = c_op
     if flags[0]:  # load: C's current values are accumulated onto
         for r in range(rows):
             for q in range(cols):
                 tile[_u(r * nr + q)] = cf[_u(coff + r * ldc + q)]
-    fma_tile(code, kcb, a_op, b_op, (tile, 0, nr), bias_op, (flags[0], flags[1], flags[2], flags[3], False),
+    mf, mb, moff = mask_op
+    fma_tile(code, kcb, a_op, b_op, (tile, 0, nr), bias_op, (flags[0], flags[1], flags[2], flags[3], NO_MASK),
              mask_op)
-    if flags[1] and flags[4]:
-        mf, moff = mask_op
+    mode = flags[4] if flags[1] else NO_MASK
+    if mode == MASK_F32:
         for r in range(rows):
             for q in range(cols):
                 cf[_u(coff + r * ldc + q)] = relu_keep(tile[_u(r * nr + q)], mf[_u(moff + r * ldc + q)])
+    elif mode == MASK_BYTE:
+        for r in range(rows):
+            for q in range(cols):
+                cf[_u(coff + r * ldc + q)] = relu_keep(tile[_u(r * nr + q)], mb[_u(moff + r * ldc + q)])
     else:
+        if mode == MASK_OUT:
+            for r in range(rows):
+                for q in range(cols):
+                    mb[_u(moff + r * ldc + q)] = np.uint8(tile[_u(r * nr + q)] > 0)
         for r in range(rows):
             for q in range(cols):
                 cf[_u(coff + r * ldc + q)] = tile[_u(r * nr + q)]
@@ -249,20 +258,21 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
     """One K pass of one C block: the register tile over each of its MR x NR tiles.
 
     a_src = (flat A, packed A block), b_src = (packed B panels, flat B), c_dst = (flat C, flat
-    mask laid out as C), tile: MR * NR scratch for edge tiles, biasp: bias zero-padded to whole
-    panels; blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (m, n, k, ps, bp0: the first row of
-    B in its packed panels); mode = (a_inplace, ta, b_inplace, b_fused, load, epi, use_bias, relu,
-    use_mask); b_fused: B is (n, k), each panel's K-pass slice packed into bp right before its tiles.
+    float32 mask, flat byte mask, both laid out as C), tile: MR * NR scratch for edge tiles, biasp:
+    bias zero-padded to whole panels; blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (m, n, k,
+    ps, bp0: the first row of B in its packed panels); mode = (a_inplace, ta, b_inplace, b_fused,
+    load, epi, use_bias, relu, mask_mode); b_fused: B is (n, k), each panel's K-pass slice packed
+    into bp right before its tiles.
     """
     mr, nr = tile_dims(code)
     aflat, ap = a_src
     bp, bflat = b_src
-    cf, maskf = c_dst
+    cf, maskf, maskb = c_dst
     i0, mcb, j0, ncb = blk
     p0, kcb = kpass
     m, n, k, ps, bp0 = geo
-    a_inplace, ta, b_inplace, b_fused, load, epi, use_bias, relu, use_mask = mode
-    masking = epi and use_mask
+    a_inplace, ta, b_inplace, b_fused, load, epi, use_bias, relu, mask_mode = mode
+    masking = mask_mode if epi else NO_MASK
     flags = (load, epi, use_bias, relu, masking)
     nip = (mcb + mr - 1) // mr
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
@@ -288,14 +298,16 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
                 a_op = (aflat, p0 * m + ii, m, 1) if ta else (aflat, ii * k + p0, 1, k)
             else:
                 a_op = (ap, ip * _a_panel(kcb, mr), mr, 1)
-            if masking:  # read at the tile's end: in flight while its K loop runs
+            mask_op = (maskf, maskb, ii * n + jj)
+            if masking == MASK_F32:  # read at the tile's end: in flight while its K loop runs
                 prefetch_rows(maskf, ii * n + jj, n, mrem, nrem * 4)
+            elif masking == MASK_BYTE:
+                prefetch_rows(maskb, ii * n + jj, n, mrem, nrem)
             if mrem == mr and nrem == nr:
                 prefetch_c(cf, ii * n + jj, n, mr, nr * 4)
-                fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, (maskf, ii * n + jj))
+                fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, mask_op)
             else:
-                _edge_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, (maskf, ii * n + jj),
-                           tile, mrem, nrem)
+                _edge_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, mask_op, tile, mrem, nrem)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -310,15 +322,15 @@ def _gemm_factory(spec: KernelSpec):
     CODE = tile_code(MR, NR, spec["vw"])
 
     @jit(parallel=True)
-    def gemm_kernel(a, b, c, bias, mask, ws, dims, scale, blocks, flags):
+    def gemm_kernel(a, b, c, bias, mask, maskb, ws, dims, scale, blocks, flags):
         # a: (m, k) or (k, m) if ta; b: (k, n) or (n, k) if tb; c: (m, n) C-contiguous; bias: (n,)
-        # if use_bias; mask: (m, n) C-contiguous if use_mask; ws: float32 scratch; dims = (m, n,
-        # k); scale = (alpha, beta) float32; blocks = (mc, kc, nc); flags = (ta, tb, use_bias,
-        # relu, use_mask)
+        # if use_bias; mask: flat (m * n) float32 if mask_mode is MASK_F32; maskb: flat (m * n)
+        # uint8 if MASK_BYTE or MASK_OUT; ws: float32 scratch; dims = (m, n, k); scale = (alpha,
+        # beta) float32; blocks = (mc, kc, nc); flags = (ta, tb, use_bias, relu, mask_mode)
         m, n, k = dims
         alpha, beta = scale
         mc, kc, nc = blocks
-        ta, tb, use_bias, relu, use_mask = flags
+        ta, tb, use_bias, relu, mask_mode = flags
         npan = (n + NR - 1) // NR
         # Pack B into k-major NR-wide panels (panel p at p * ps) unless b_in_place: packed, one
         # aligned cache line per NR floats instead of lines split at B's row stride, and the copy
@@ -352,14 +364,14 @@ def _gemm_factory(spec: KernelSpec):
         biasp = np.zeros(npan * NR, np.float32)
         if use_bias:
             biasp[:n] = bias
-        cf, aflat, maskf = c.reshape(m * n), a.reshape(a.size), mask.reshape(mask.size)
+        cf, aflat = c.reshape(m * n), a.reshape(a.size)
         # A (not scaled) is read in place when plain row-major (MR row streams the prefetcher
         # follows), or transposed when each C block has one column panel (its packed copy would
         # be read only once)
         a_inplace = alpha == 1.0 and (not ta or nc <= NR)
         tsize = task_floats(mc, kc, MR, NR)
-        srcs = (aflat, bp, bflat, c, cf, maskf, biasp)
-        mode = (alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, use_mask)
+        srcs = (aflat, bp, bflat, c, cf, mask, maskb, biasp)
+        mode = (alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, mask_mode)
         geo = (m, n, k, mc, kc, nc, ps)
         for step in range(npc if by_pass else 1):  # one call site: the tile code is inlined once
             passes = (step, step + 1, npc, step * kc) if by_pass else (0, npc, npc, 0)
@@ -377,14 +389,14 @@ def _gemm_factory(spec: KernelSpec):
 def _block_passes(code, srcs, region, t, passes, geo, mode):
     """K passes pa .. pb - 1 (of npc) of C block t (row block t // njb, column block t % njb): A
     packed into the task's region per pass (and B's panels too if b_fused), then the tiles.
-    srcs = (flat A, packed B, flat B, c, flat C, flat mask, padded bias); passes = (pa, pb, npc,
-    bp0: B's first row in its packed panels); geo = (m, n, k, mc, kc, nc, ps); mode = (alpha, beta,
-    a_inplace, ta, b_inplace, b_fused, use_bias, relu, use_mask)."""
+    srcs = (flat A, packed B, flat B, c, flat C, flat float32 mask, flat byte mask, padded bias);
+    passes = (pa, pb, npc, bp0: B's first row in its packed panels); geo = (m, n, k, mc, kc, nc,
+    ps); mode = (alpha, beta, a_inplace, ta, b_inplace, b_fused, use_bias, relu, mask_mode)."""
     mr, nr = tile_dims(code)
-    aflat, bp, bflat, c, cf, maskf, biasp = srcs
+    aflat, bp, bflat, c, cf, maskf, maskb, biasp = srcs
     pa, pb, npc, bp0 = passes
     m, n, k, mc, kc, nc, ps = geo
-    alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, use_mask = mode
+    alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, mask_mode = mode
     a0, asize, b0 = _task_parts(mc, kc, mr, nr)
     tile = region[:mr * nr]  # scratch from the workspace: an allocation per task costs ~0.5 us
     ap = region[a0:a0 + asize]
@@ -399,8 +411,9 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
     for pi in range(pa, pb):
         kpass = (pi * kc, min(kc, k - pi * kc))
         _pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, mr)
-        flags = (a_inplace, ta, inplace, fused, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, use_mask)
-        _sweep_tiles(code, (aflat, ap), (bp, bflat), (cf, maskf), tile, biasp, blk, kpass, (m, n, k, ps, bp0), flags)
+        flags = (a_inplace, ta, inplace, fused, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, mask_mode)
+        _sweep_tiles(code, (aflat, ap), (bp, bflat), (cf, maskf, maskb), tile, biasp, blk, kpass, (m, n, k, ps, bp0),
+                     flags)
 
 
 @functools.lru_cache(maxsize=None)
@@ -412,30 +425,46 @@ def _kernel(isa: str):
 _DUMMY = np.zeros(1, np.float32)
 
 
-_NO_MASK = np.zeros((1, 1), np.float32)
+_NO_BYTES = np.zeros(1, np.uint8)
 
 
-def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=False, mask=None):
+def _mask_args(mask, mask_out):
+    """(float32 mask, byte mask, mode) of the driver: flat views, dummies where unused."""
+    if mask_out is not None:
+        return _DUMMY, mask_out.reshape(-1).view(np.uint8), MASK_OUT
+    if mask is None:
+        return _DUMMY, _NO_BYTES, NO_MASK
+    if mask.dtype == np.float32:
+        return mask.reshape(-1), _NO_BYTES, MASK_F32
+    return _DUMMY, mask.reshape(-1).view(np.uint8), MASK_BYTE
+
+
+def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=False, mask=None, mask_out=None):
     """Run the driver with blocks = (mc, kc, nc) on validated, C-contiguous float32 arrays; c is
-    written and returned. mask: an array of c's shape; c is kept where mask > 0, else +0.0 (the
-    backward of a ReLU whose output is mask, in the epilogue). A C of one row or column goes to the
-    matrix-vector kernels instead."""
+    written and returned. mask: an array of c's shape, float32 (c is kept where mask > 0: the
+    backward of a ReLU whose output is mask) or bytes (bool or uint8: kept where nonzero), else c
+    is +0.0 there, in the epilogue. mask_out: a C-contiguous bool or uint8 array of c's shape,
+    written with c > 0 (the byte mask of this ReLU's output; not with mask). A C of one row or
+    column goes to the matrix-vector kernels instead."""
     m, n = c.shape
     if m == 0 or n == 0:
         return c
     if m == 1 or n == 1:  # a matrix-vector product: no tile would be more than one row or column full
         gemv_into(a, b, c, ta, tb, alpha=alpha, beta=beta, bias=bias, relu=relu)
-        return c if mask is None else relu_mask_into(c, mask)
+        if mask is not None:
+            relu_mask_into(c, mask)
+        return c if mask_out is None else write_mask(c, mask_out)
     k = a.shape[0] if ta else a.shape[1]
     if k == 1 and beta == 0.0:
-        return outer_into(a, b, c, alpha=alpha, bias=bias, relu=relu, mask=mask)
+        outer_into(a, b, c, alpha=alpha, bias=bias, relu=relu, mask=mask)
+        return c if mask_out is None else write_mask(c, mask_out)
     isa = target_isa()
     mc, kc, nc = blocks
     mr, nr, _ = tile_for(isa)
     need = -(-n // nr) * (k * nr + 16) + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, mr, nr)
-    args = (a, b, c, _DUMMY if bias is None else bias, _NO_MASK if mask is None else mask,
-            thread_buffer("ws", np.float32, need), (m, n, k), (np.float32(alpha), np.float32(beta)), (mc, kc, nc),
-            (bool(ta), bool(tb), bias is not None, bool(relu), mask is not None))
+    mf, mb, mode = _mask_args(mask, mask_out)
+    args = (a, b, c, _DUMMY if bias is None else bias, mf, mb, thread_buffer("ws", np.float32, need), (m, n, k),
+            (np.float32(alpha), np.float32(beta)), (mc, kc, nc), (bool(ta), bool(tb), bias is not None, bool(relu), mode))
     kern = _kernel(isa)
     try:
         kern(*args)
@@ -444,4 +473,10 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
             raise
         log.warning("gemm %s kernel failed to build (%s); using the portable scalar kernel", isa, e)
         _kernel("scalar")(*args)
+    return c
+
+
+def write_mask(c, mask_out):
+    """mask_out = c > 0 (NaN: False), as the tile's MASK_OUT writes it. -> c."""
+    np.greater(c, 0, out=mask_out.view(np.bool_))
     return c

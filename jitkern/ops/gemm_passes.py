@@ -55,10 +55,10 @@ def _transpose_kernel(src, dst, bias, use_bias, relu):
 @jit(parallel=True)
 def relu_mask_into(d, y):
     """d = d where y > 0 else +0.0, in place (the backward of a ReLU whose output is y); d, y: C-
-    contiguous, same shape, float32 or uint16 bf16 bits. -> d."""
+    contiguous, same shape, float32 or uint16 bf16 bits (y also a byte mask: nonzero keeps). -> d."""
     df, yf = d.reshape(d.size), y.reshape(y.size)
     for i in prange(d.size):
-        put(df, i, relu_keep(widen(df[i]), widen(yf[i])))
+        put(df, i, relu_keep(widen(df[i]), yf[i]))
     return d
 
 _GRAD_CHUNKS = 16  # row chunks of the ReLU-gradient pass: a fixed count, so sums never depend on threads
@@ -85,7 +85,7 @@ def relu_grad(dy, y, g, db, flags):
             row = i * m
             if relu:  # bit arithmetic, not a select: vectorised on bf16 data too; NaN/inf in dy vanish
                 for j in range(m):  # where the unit was inactive
-                    v = relu_keep(widen(dyf[_u(row + j)]), widen(yf[_u(row + j)]))
+                    v = relu_keep(widen(dyf[_u(row + j)]), yf[_u(row + j)])
                     put(gf, _u(row + j), v)
                     acc[_u(j)] += np.float64(v)
             elif write_g:

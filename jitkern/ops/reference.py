@@ -37,25 +37,30 @@ def gemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0):
     return c.astype(np.float32)
 
 
-def linear_forward(x, w, b=None, *, activation=None, out=None):
-    """y = act(x @ w.T + b); x: (N, K), w: (M, K), b: (M,) -> y: (N, M)."""
+def linear_forward(x, w, b=None, *, activation=None, out=None, out_mask=None):
+    """y = act(x @ w.T + b); x: (N, K), w: (M, K), b: (M,) -> y: (N, M). out_mask: set to y > 0."""
     y = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     if b is not None:
         y = y + np.asarray(b, np.float64)
     if activation == "relu":
         y = np.maximum(y, 0.0)
-    return y.astype(np.float32)
+    y = y.astype(np.float32)
+    if out_mask is not None:
+        out_mask[...] = y > 0
+    return y
 
 
-def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, input_relu=False):
+def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, input_relu=False, x_mask=None):
     """Gradients of linear_forward; dy, y: (N, M) -> dx (N, K) (None unless need_dx), dw (M, K), db (M,).
-    input_relu: dx is +0.0 where x <= 0 (x a ReLU's output: the gradient at that ReLU's input)."""
+    input_relu: dx is +0.0 where x <= 0 (x a ReLU's output: the gradient at that ReLU's input), or
+    where x_mask (x > 0 as linear_forward's out_mask) is False if given."""
     g = np.asarray(dy, np.float64)
     if activation == "relu":
         g = np.where(np.asarray(y) > 0, g, 0.0)
     dx = (g @ np.asarray(w, np.float64)).astype(np.float32) if need_dx else None
     if need_dx and input_relu:
-        dx = np.where(np.asarray(x) > 0, dx, np.float32(0.0)).astype(np.float32)
+        keep = np.asarray(x) > 0 if x_mask is None else np.asarray(x_mask, bool)
+        dx = np.where(keep, dx, np.float32(0.0)).astype(np.float32)
     dw = g.T @ np.asarray(x, np.float64)
     db = g.sum(axis=0)
     return dx, dw.astype(np.float32), db.astype(np.float32)
