@@ -160,6 +160,28 @@ def test_train_step_equals_float64_reference(interaction, self_int):
             np.testing.assert_array_equal(w[untouched], p[name][untouched].astype(np.float32))
 
 
+def test_relu_byte_masks_give_the_step_of_the_float_masks(monkeypatch):
+    # every hidden activation "outgrows L2": the forward writes its byte mask and the backward's dx
+    # epilogue reads it; the trained weights equal, bit for bit, those of a model that masks dx by
+    # the activations themselves
+    import jitkern.dlrm.step as step
+    monkeypatch.setattr(step, "host_target", lambda: type("T", (), {"l2": 0})())
+    models = [DLRM(SIZES, D, BOTTOM, TOP, seed=5) for _ in range(2)]
+    rng = np.random.default_rng(3)
+    batches = [make_batch(rng) for _ in range(2)]
+    buf = models[0]._buffers_for(B)
+    assert all(m is not None for mlp in ("bottom", "top") for m in buf.relu_masks[mlp])
+    models[1]._buffers_for(B).relu_masks = {"bottom": None, "top": None}
+    for batch in batches:
+        losses = [m.train_step(*batch, 0.5) for m in models]
+        assert losses[0] == losses[1]
+        for mlp, acts in (("bottom", buf.bot), ("top", buf.top[:-1])):
+            for mask, y in zip(buf.relu_masks[mlp], acts):
+                np.testing.assert_array_equal(mask, y > 0)
+    for (name, got), want in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
 def test_initialisation_follows_the_reference():
     m = DLRM([10, 2_000_001], 4, [3, 5, 4], [7, 1], seed=11)
     rs = np.random.RandomState(11)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..codegen import host_target
 from ..ops import BF16Array
 
 
@@ -70,11 +71,15 @@ class Buffers:
         self.cross_x = [act(b, v.shape[1]) for v in model.cross_v]
         self.cross_u = [act(b, v.shape[0]) for v in model.cross_v]
         self.cross_y = [np.empty((b, v.shape[1]), np.float32) for v in model.cross_v]
-        # fp32 ReLU MLPs: each hidden layer's output mask y > 0, written by the forward's epilogue
-        # for the backward's dx epilogue, which reads it in place of y (a quarter of the bytes)
-        masks = not bf16 and model.activation == "relu"
-        self.relu_masks = {"bottom": [np.empty((b, n), np.bool_) for n in model.bottom_mlp[1:]] if masks else None,
-                           "top": [np.empty((b, n), np.bool_) for n in model.top_mlp[1:-1]] if masks else None}
+        # fp32 ReLU MLPs: a hidden layer's output mask y > 0, written by the forward's epilogue for
+        # the backward's dx epilogue, which reads it in place of y (a quarter of the bytes). Only
+        # where y outgrows half the L2 (the rest holds the GEMM's blocks): a y that stays cached
+        # is read for free, and there writing the mask costs the forward more than it saves.
+        def masks(widths):
+            if bf16 or model.activation != "relu":
+                return None
+            return [np.empty((b, n), np.bool_) if b * n * 4 > host_target().l2 // 2 else None for n in widths]
+        self.relu_masks = {"bottom": masks(model.bottom_mlp[1:]), "top": masks(model.top_mlp[1:-1])}
         self.zero_labels = np.zeros(b, np.float32)
         self.dense16 = _bf16(b, model.num_dense) if bf16 else None
         self.pooled16 = _bf16(model.num_tables, b, model.feature_dim) if bf16 else None
