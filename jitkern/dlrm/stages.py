@@ -69,7 +69,7 @@ class TrainStages:
                                else (self.bot_w, ctx.buf.bot, self.bottom_mlp))
         grads = [None] * len(ws)
         last, masked = len(ws) - 1, False
-        masks = ctx.buf.relu_masks[mlp] if mlp in ctx.masked else None
+        masks = self._relu_masks(ctx, mlp)
         for l in range(last, -1, -1):
             x = first_x if l == 0 else outs_of[l - 1]
             act = None if (masked or (mlp == "top" and l == last)) else self.activation
@@ -87,19 +87,17 @@ class TrainStages:
         """x = bottom MLP(dense); dense: (b, n_dense) -> x: (b, D), the activation after every layer."""
         with self.timer("bottom_fwd"):
             h = self._bottom_input(ctx)
-            masks = self._masks_written(ctx, "bottom")
+            masks = self._relu_masks(ctx, "bottom")
             for l, (w, b, out) in enumerate(zip(self.bot_w, self.bot_b, ctx.buf.bot)):
                 h = self._layer_forward(h, w, b, out, self.activation, out_mask=masks[l] if masks else None)
                 self.layer_done(ctx, "bottom", None)
             return h
 
     @staticmethod
-    def _masks_written(ctx: StepContext, mlp: str):
-        """The ReLU output masks a training forward of `mlp` writes (None: none)."""
-        masks = ctx.buf.relu_masks[mlp] if ctx.lr is not None else None
-        if masks is not None:
-            ctx.masked += (mlp,)
-        return masks
+    def _relu_masks(ctx: StepContext, mlp: str):
+        """The ReLU output masks of `mlp` that a training step's forward writes and its backward
+        reads (None: inference, or none kept)."""
+        return ctx.buf.relu_masks[mlp] if ctx.lr is not None else None
 
     def _bottom_input(self, ctx: StepContext):
         """The bottom MLP's input: the dense features, rounded to bf16 (in place of the step's
@@ -174,7 +172,7 @@ class TrainStages:
         with self.timer("top_fwd"):
             h = z
             last = len(self.top_w) - 1
-            masks = self._masks_written(ctx, "top")
+            masks = self._relu_masks(ctx, "top")
             for l, (w, b, out) in enumerate(zip(self.top_w, self.top_b, ctx.buf.top)):
                 h = self._layer_forward(h, w, b, out, None if l == last else self.activation,
                                         out_mask=masks[l] if masks and l < last else None)

@@ -115,4 +115,3 @@ class StepContext:
     psw: list | None = None               # learned pooling: each table's per-lookup weights
     cross_x0: np.ndarray | None = None    # dcn: the cross network's input (b, n)
     cross_grads: list | None = None       # dcn: (dv, dw, db) per cross layer
-    masked: tuple = ()                    # the MLPs ("bottom", "top") whose forward wrote buf.relu_masks
