@@ -21,7 +21,8 @@ from . import _check, gemm_bf16
 from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, forward_transposed, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
-from .gemm_kernel import b_in_place, gemm_into, write_mask
+from .gemm_kernel import gemm_into, write_mask
+from .gemm_pack import b_in_place
 from .gemm_passes import relu_grad, transpose_into
 from .workspace import grad_buffer, transposed_buffer
 from .weight_grad import masked_grad_fits, masked_weight_grad

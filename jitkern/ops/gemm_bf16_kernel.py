@@ -29,10 +29,10 @@ from ..codegen.simd_bf16 import bf16_tile_code, bf16_tile_dims, bf16_tile_for, d
 from ..config import choice_token
 from .gemm_bf16_pack import pair_pack_a_block, pair_pack_b_columns, pair_pack_b_rows, widen_pack_a_block, widen_pack_b
 from .gemm_blocking import split_for_threads
-from .gemm_kernel import prefetch_c
+from .gemm_kernel import NO_BYTES
+from .gemm_pack import prefetch_c
 from .workspace import thread_buffer
 
-_NO_BYTES = np.zeros(1, np.uint8)  # the fp32 tile's byte mask operand, never read here (NO_MASK)
 
 # --------------------------------------------------------------------------- tiles
 
@@ -123,13 +123,13 @@ def _sweep_fma(code, ap, b_src, c_op, scratch, blk, kpass, geo, flags):
             off = co + (ii - i0) * ld + jj - j0
             if mrem == mr and nrem == nr:
                 prefetch_c(cf, off, ld, mr, nr * 4)
-                fma_tile(code, kcb, a_op, b_op, (cf, off, ld), (biasp, jj), tflags, (biasp, _NO_BYTES, 0))
+                fma_tile(code, kcb, a_op, b_op, (cf, off, ld), (biasp, jj), tflags, (biasp, NO_BYTES, 0))
             else:
                 if load:
                     for r in range(mrem):
                         for q in range(nrem):
                             scratch[_u(r * nr + q)] = cf[_u(off + r * ld + q)]
-                fma_tile(code, kcb, a_op, b_op, (scratch, 0, nr), (biasp, jj), tflags, (biasp, _NO_BYTES, 0))
+                fma_tile(code, kcb, a_op, b_op, (scratch, 0, nr), (biasp, jj), tflags, (biasp, NO_BYTES, 0))
                 for r in range(mrem):
                     for q in range(nrem):
                         cf[_u(off + r * ld + q)] = scratch[_u(r * nr + q)]

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..codegen import jit, uidx as _u
 from ..codegen.simd_bf16 import widen_bf16
-from .gemm_kernel import prefetch_run, rows_ahead
+from .gemm_pack import prefetch_run, rows_ahead
 
 
 # --------------------------------------------------------------------------- native packing (k pairs)

@@ -11,7 +11,8 @@ results are bit-identical run to run and for any thread count.
 
 Helpers are inlined into the driver (inline="always"). The driver passes them the tile shape
 (`code`, or MR / NR) from inside its prange loops: a value from outside a prange loop reaches the
-loop body as a runtime argument, where LLVM could no longer fold it.
+loop body as a runtime argument, where LLVM could no longer fold it. Packing, the task workspace
+layout and the prefetch hints live in gemm_pack.
 """
 from __future__ import annotations
 
@@ -22,182 +23,16 @@ import numpy as np
 from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, jit, kernel_factory, target_isa, uidx as _u
-from ..codegen.prefetch import prefetch_l2, prefetch_write
 from ..codegen.simd import MASK_BYTE, MASK_F32, MASK_OUT, NO_MASK, fma_tile, tile_code, tile_dims, tile_for
 from ..codegen.bf16 import relu_keep
+from .gemm_pack import (a_panel, b_in_place, pack_a_block, pack_b_columns, pack_b_panel, pack_b_rows, prefetch_c,
+                        prefetch_rows, task_floats, task_parts)
 from .gemm_passes import relu_mask_into
 from .gemv_kernel import gemv_into, outer_into
 from .workspace import thread_buffer
 
 log = logging.getLogger("jitkern")
 
-
-
-# --------------------------------------------------------------------------- packing
-
-# The packing loops read their source in memory order and hint the lines this many bytes further
-# on into L2: the hardware prefetchers stop at each 4 KiB page, and inside a training step the
-# source (a layer's input, written by the forward) is usually in DRAM by the time the GEMM reads it
-PACK_AHEAD = 8192
-
-
-@jit(inline="always")
-def rows_ahead(row_bytes):
-    """How many rows of row_bytes bytes a packing loop prefetches ahead (at least one)."""
-    return max(1, (PACK_AHEAD + row_bytes - 1) // row_bytes)
-
-
-@jit(inline="always")
-def prefetch_run(flat, i, nbytes):
-    """Hint the cache lines of the nbytes bytes from flat[i] into L2."""
-    for off in range(0, nbytes, 64):
-        prefetch_l2(flat, i, off)
-
-
-@jit(inline="always")
-def prefetch_c(flat, off, ld, rows, nbytes):
-    """Hint the `rows` rows of nbytes bytes from flat[off] (row stride ld elements) as soon written:
-    a tile's C lines arrive while its K loop runs instead of stalling its stores (or loads)."""
-    for r in range(rows):
-        prefetch_write(flat, off + r * ld, 0)
-        prefetch_write(flat, off + r * ld, nbytes - 1)
-
-
-@jit(inline="always")
-def b_in_place(tb, m, n, mr, nr):
-    """Whether the driver reads B's full panels in place (row stride n) instead of packing them:
-    B is (k, n) and few row tiles reuse each panel (under 16), unless its row stride is a multiple
-    of 2 KiB (its rows all in a few L1 sets: each tile rereads them from L2), more than two row
-    tiles reuse it and a panel's row is under two cache lines (too few FMAs per row to hide the
-    rereads: the AVX2 tile lost 20-30% so, the AVX-512 one gained). The sweep hints each next
-    panel's rows while it computes the current one (rows a stride apart: no hardware prefetcher
-    follows them), and the blocking keeps a K pass's rows within L2 (ops/gemm.py)."""
-    return not tb and m < 16 * mr and (n % 512 != 0 or m <= 2 * mr or nr * 4 >= 128)
-
-
-@jit(inline="always")
-def _a_panel(kc, mr):
-    """Floats from one packed A panel to the next: one cache line more than kc * mr, so that
-    panels packed side by side (whose stride would often be a multiple of 4 KiB) do not all
-    fall into the same L1 set while the transposed packing writes to all of them at once."""
-    return kc * mr + 16
-
-
-@jit()
-def task_floats(mc, kc, mr, nr):
-    """Workspace floats of one C block's task, each part in whole cache lines: the edge tiles'
-    MR x NR scratch, its packed A block, and one B panel of kc rows for the fused pack."""
-    return _task_parts(mc, kc, mr, nr)[2] + max(kc, 1) * nr + 16
-
-
-@jit(inline="always")
-def _task_parts(mc, kc, mr, nr):
-    """(offset of the A block, its floats, offset of the B panel) in a task's workspace."""
-    a0 = (mr * nr + 15) // 16 * 16
-    asize = ((mc + mr - 1) // mr * _a_panel(max(kc, 1), mr) + 15) // 16 * 16
-    return a0, asize, a0 + asize
-
-
-@jit(inline="always")
-def _pack_b_columns(bp, bflat, p, geo, nr):
-    """Panel p of B when B is (n, k) (its rows are C columns): each row read along k, into the
-    k-major nr-wide panel at p * ps; columns past n zeroed. geo = (n, k, ps)."""
-    n, k, ps = geo
-    width = min(nr, n - p * nr)
-    for r in range(width):
-        for kk in range(k):
-            bp[_u(p * ps + kk * nr + r)] = bflat[_u((p * nr + r) * k + kk)]
-    for r in range(width, nr):
-        for kk in range(k):
-            bp[_u(p * ps + kk * nr + r)] = 0.0
-
-
-@jit(inline="always")
-def _pack_b_rows(bp, bflat, kb, geo, p_first, nr):
-    """Rows 64 kb .. 64 kb + 63 of B when B is (k, n), scanned in memory order and scattered to
-    panels p_first.. (panel p at (p - p_first) * ps); columns past n zeroed. geo = (n, k, ps)."""
-    n, k, ps = geo
-    npan = (n + nr - 1) // nr
-    ahead = rows_ahead(n * 4) * n
-    for kk in range(kb * 64, min(k, kb * 64 + 64)):
-        row = kk * n
-        for p in range(p_first, npan):
-            base = (p - p_first) * ps + kk * nr
-            col = row + p * nr
-            if col + ahead < k * n:
-                prefetch_run(bflat, col + ahead, nr * 4)
-            if (p + 1) * nr <= n:
-                for r in range(nr):  # constant trip count: a vector copy
-                    bp[_u(base + r)] = bflat[_u(col + r)]
-            else:
-                width = n - p * nr
-                for r in range(width):
-                    bp[_u(base + r)] = bflat[_u(col + r)]
-                for r in range(width, nr):
-                    bp[_u(base + r)] = 0.0
-
-
-@jit(inline="always")
-def _pack_b_panel(bt, bflat, jp, kpass, geo, nr):
-    """Columns p0 .. p0 + kcb - 1 of rows jp * nr .. of B (n, k), i.e. panel jp of B^T's K-pass
-    slice, into bt (k-major, nr wide, columns past n zeroed), hinting the same slice of panel jp + 2
-    into L2: the fused pack, right before the tiles read it. geo = (n, k)."""
-    p0, kcb = kpass
-    n, k = geo
-    jj = jp * nr
-    for r in range(min(nr, n - jj)):
-        src = (jj + r) * k + p0
-        if jj + r + 2 * nr < n:
-            prefetch_run(bflat, src + 2 * nr * k, kcb * 4)
-        for kk in range(kcb):
-            bt[_u(kk * nr + r)] = bflat[_u(src + kk)]
-    for r in range(min(nr, n - jj), nr):
-        for kk in range(kcb):
-            bt[_u(kk * nr + r)] = 0.0
-
-
-@jit(inline="always")
-def _pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
-    """alpha * A[i0:i0+mcb, p0:p0+kcb] into ap as mr-row panels, k-major, rows past mcb zeroed;
-    panel ip at ip * _a_panel(kcb, mr).
-
-    The loops follow a's memory order (rows along k, or columns if ta); full panels that the
-    tile kernel reads in place (a_inplace) are skipped. blk = (i0, mcb, j0, ncb),
-    kpass = (p0, kcb), geo = (m, k): A is (m, k), or (k, m) if ta.
-    """
-    i0, mcb, _, _ = blk
-    p0, kcb = kpass
-    m, k = geo
-    nfull = mcb // mr
-    if ta and not a_inplace:  # full panels row by row of a: each k reads mcb contiguous floats
-        ahead = rows_ahead(m * 4)
-        for kk in range(kcb):
-            src = (p0 + kk) * m + i0
-            if p0 + kk + ahead < k:
-                prefetch_run(aflat, src + ahead * m, nfull * mr * 4)
-            for ip in range(nfull):
-                d = ip * _a_panel(kcb, mr) + kk * mr
-                s0 = src + ip * mr
-                for r in range(mr):
-                    ap[_u(d + r)] = aflat[_u(s0 + r)] * alpha
-    for ip in range((mcb + mr - 1) // mr):
-        dst = ip * _a_panel(kcb, mr)
-        rows = min(mr, mcb - ip * mr)
-        ibase = i0 + ip * mr
-        if rows == mr and (ta or a_inplace):
-            pass  # packed above, or read in place by the tile kernel
-        elif ta:
-            for kk in range(kcb):
-                for r in range(rows):
-                    ap[_u(dst + kk * mr + r)] = aflat[_u((p0 + kk) * m + ibase + r)] * alpha
-        else:
-            for r in range(rows):
-                src = (ibase + r) * k + p0
-                for kk in range(kcb):
-                    ap[_u(dst + kk * mr + r)] = aflat[_u(src + kk)] * alpha
-        for r in range(rows, mr):
-            for kk in range(kcb):
-                ap[_u(dst + kk * mr + r)] = 0.0
 
 
 # --------------------------------------------------------------------------- tiles
@@ -246,14 +81,6 @@ def _edge_tile(code, kcb, a_op, b_op, c_op, bias_op, flags, mask_op, tile, rows,
 
 
 @jit(inline="always")
-def prefetch_rows(flat, off, ld, rows, nbytes):
-    """Hint the `rows` rows of nbytes bytes from flat[off] (row stride ld elements) as soon read."""
-    for r in range(rows):
-        prefetch_l2(flat, off + r * ld, 0)
-        prefetch_l2(flat, off + r * ld, nbytes - 1)
-
-
-@jit(inline="always")
 def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
     """One K pass of one C block: the register tile over each of its MR x NR tiles.
 
@@ -279,7 +106,7 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
         jj = jp * nr
         nrem = min(nr, n - jj)
         if b_fused:  # bp: this task's one-panel buffer
-            _pack_b_panel(bp, bflat, jp, kpass, (n, k), nr)
+            pack_b_panel(bp, bflat, jp, kpass, (n, k), nr)
             b_op = (bp, 0, nr)
         elif not b_inplace:
             b_op = (bp, jp * ps + (p0 - bp0) * nr, nr)
@@ -297,7 +124,7 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
             if a_inplace and mrem == mr:
                 a_op = (aflat, p0 * m + ii, m, 1) if ta else (aflat, ii * k + p0, 1, k)
             else:
-                a_op = (ap, ip * _a_panel(kcb, mr), mr, 1)
+                a_op = (ap, ip * a_panel(kcb, mr), mr, 1)
             mask_op = (maskf, maskb, ii * n + jj)
             if masking == MASK_F32:  # read at the tile's end: in flight while its K loop runs
                 prefetch_rows(maskf, ii * n + jj, n, mrem, nrem * 4)
@@ -357,10 +184,10 @@ def _gemm_factory(spec: KernelSpec):
         bp, bflat = ws[:bsize], b.reshape(b.size)
         if tb and not fused:
             for p in prange(packed):
-                _pack_b_columns(bp, bflat, p, (n, k, ps), NR)
+                pack_b_columns(bp, bflat, p, (n, k, ps), NR)
         elif not tb and packed > 0 and not by_pass:
             for kb in prange((k + 63) // 64):
-                _pack_b_rows(bp, bflat, kb, (n, k, ps), npan - packed, NR)
+                pack_b_rows(bp, bflat, kb, (n, k, ps), npan - packed, NR)
         biasp = np.zeros(npan * NR, np.float32)
         if use_bias:
             biasp[:n] = bias
@@ -379,7 +206,7 @@ def _gemm_factory(spec: KernelSpec):
                 p0 = step * kc
                 rows = min(kc, k - p0)
                 for kb in prange((rows + 63) // 64):
-                    _pack_b_rows(bp, bflat[p0 * n:(p0 + rows) * n], kb, (n, rows, ps), 0, NR)
+                    pack_b_rows(bp, bflat[p0 * n:(p0 + rows) * n], kb, (n, rows, ps), 0, NR)
             for t in prange(nib * njb):
                 _block_passes(CODE, srcs, ws[bsize + t * tsize:bsize + (t + 1) * tsize], t, passes, geo, mode)
     return gemm_kernel
@@ -397,7 +224,7 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
     pa, pb, npc, bp0 = passes
     m, n, k, mc, kc, nc, ps = geo
     alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, mask_mode = mode
-    a0, asize, b0 = _task_parts(mc, kc, mr, nr)
+    a0, asize, b0 = task_parts(mc, kc, mr, nr)
     tile = region[:mr * nr]  # scratch from the workspace: an allocation per task costs ~0.5 us
     ap = region[a0:a0 + asize]
     if fused:
@@ -410,7 +237,7 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
         _scale_block(c, blk, beta)
     for pi in range(pa, pb):
         kpass = (pi * kc, min(kc, k - pi * kc))
-        _pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, mr)
+        pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, mr)
         flags = (a_inplace, ta, inplace, fused, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, mask_mode)
         _sweep_tiles(code, (aflat, ap), (bp, bflat), (cf, maskf, maskb), tile, biasp, blk, kpass, (m, n, k, ps, bp0),
                      flags)
@@ -425,7 +252,7 @@ def _kernel(isa: str):
 _DUMMY = np.zeros(1, np.float32)
 
 
-_NO_BYTES = np.zeros(1, np.uint8)
+NO_BYTES = np.zeros(1, np.uint8)  # the tile's byte mask operand where no byte mask is used
 
 
 def _mask_args(mask, mask_out):
@@ -433,9 +260,9 @@ def _mask_args(mask, mask_out):
     if mask_out is not None:
         return _DUMMY, mask_out.reshape(-1).view(np.uint8), MASK_OUT
     if mask is None:
-        return _DUMMY, _NO_BYTES, NO_MASK
+        return _DUMMY, NO_BYTES, NO_MASK
     if mask.dtype == np.float32:
-        return mask.reshape(-1), _NO_BYTES, MASK_F32
+        return mask.reshape(-1), NO_BYTES, MASK_F32
     return _DUMMY, mask.reshape(-1).view(np.uint8), MASK_BYTE
 
 

@@ -28,7 +28,8 @@ from numba import prange
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa, uidx as _u
 from ..codegen.bf16 import relu_keep
 from ..codegen.simd import NO_MASK, fma_tile, tile_code, tile_for
-from .gemm_kernel import prefetch_rows, prefetch_run, rows_ahead
+from .gemm_kernel import NO_BYTES
+from .gemm_pack import prefetch_rows, prefetch_run, rows_ahead
 from .workspace import thread_buffer
 
 log = logging.getLogger("jitkern")
@@ -96,7 +97,7 @@ def _factory(spec: KernelSpec):
             xa[_u(i * kp + k)] = 1.0
             for r in range(k + 1, kp):
                 xa[_u(i * kp + r)] = 0.0
-        nothing, no_bytes = np.zeros(NR, np.float32), np.zeros(1, np.uint8)
+        nothing = np.zeros(NR, np.float32)
         for t in prange(tasks):  # a task: consecutive column panels (a panel's sums: one task's order)
             gp = chunks[t * per_task:(t + 1) * per_task]
             pfirst, pend = t * npan // tasks, (t + 1) * npan // tasks
@@ -121,7 +122,7 @@ def _factory(spec: KernelSpec):
                             prefetch_rows(dyf, (q0 + r0) * m + q * NR, m, r1 - r0, NR * 4)
                         fma_tile(CODE, rows, (xa, p0 * kp + ip * MR, kp, 1), b_op,
                                  (ct, ip * MR * ldc + p * NR, ldc), (nothing, 0), (p0 > 0, False, False, False, NO_MASK),
-                                 (nothing, no_bytes, 0))
+                                 (nothing, NO_BYTES, 0))
             for j in range(pfirst * NR, min(m, pend * NR)):
                 for r in range(k):
                     dw[_u(j), _u(r)] = ct[_u(r * ldc + j)]
