@@ -186,6 +186,31 @@ def _print_first_layer(rng, n, bench):
           f"numpy {flops / nb.median / 1e9:.1f}, ratio {nb.median / tb.median:.2f}")
 
 
+def _print_relu_masks(rng, n, bench):
+    """The byte ReLU masks (linear_forward out_mask / linear_backward x_mask) against masking by the
+    fp32 activation itself, on the DLRM layers whose dx is masked (kaggle's bottom MLP)."""
+    from ..ops import linear_backward, linear_forward
+    rows = []
+    for kin, kout in ((512, 256), (256, 64)):
+        x = np.maximum(rng.standard_normal((n, kin), dtype=np.float32), 0)
+        w = rng.standard_normal((kout, kin), dtype=np.float32)
+        dy = rng.standard_normal((n, kout), dtype=np.float32)
+        h = rng.standard_normal((n, 367), dtype=np.float32)       # the layer that wrote x: h -> x
+        wh = rng.standard_normal((kin, 367), dtype=np.float32)
+        x_mask, dx, dw, y = np.empty(x.shape, np.bool_), np.empty_like(x), np.empty_like(w), np.empty_like(x)
+        f_plain = bench(lambda: linear_forward(h, wh, activation="relu", out=y))
+        f_mask = bench(lambda: linear_forward(h, wh, activation="relu", out=y, out_mask=x_mask))
+        np.greater(x, 0, out=x_mask)
+        by_x = bench(lambda: linear_backward(dy, x, w, input_relu=True, out_dx=dx, out_dw=dw))
+        by_mask = bench(lambda: linear_backward(dy, x, w, input_relu=True, out_dx=dx, out_dw=dw, x_mask=x_mask))
+        ref = bench(lambda: (np.where(x > 0, dy @ w, np.float32(0)), dy.T @ x, dy.sum(axis=0)))
+        rows.append((f"{kin}->{kout}", f"{by_x.median * 1e3:.3f}", f"{by_mask.median * 1e3:.3f}",
+                     f"{by_x.median / by_mask.median:.2f}", f"{ref.median / by_mask.median:.2f}",
+                     f"{f_mask.median / f_plain.median:.2f}"))
+    print_table(("ReLU masks (N=%d)" % n, "bwd ms, by x", "by x_mask", "speed-up", "vs numpy",
+                 "fwd time, with / without out_mask"), rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jitkern bench gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads for jitkern and the BLAS (default: all)")
@@ -249,6 +274,7 @@ def main(argv=None) -> int:
     print_table(("K->M (N=%d)" % args.batch, "fwd GF/s", "numpy", "ratio", "bwd GF/s", "numpy", "ratio"), rows)
     print(f"median ratio  forward {statistics.median(fwd_ratios):.2f}   backward {statistics.median(bwd_ratios):.2f}")
     _print_first_layer(rng, args.batch, bench)
+    _print_relu_masks(rng, args.batch, bench)
     print(f"start-up: import {t_import:.2f} s, first forward+backward (compile or disk-cache load) {t_first:.2f} s")
     if args.tune:
         _print_tune(tune_rows(args.batch, numba.get_num_threads()))
