@@ -32,8 +32,9 @@ def prefetch_run(flat, i, nbytes):
 def prefetch_c(flat, off, ld, rows, nbytes):
     """Hint the `rows` rows of nbytes bytes from flat[off] (row stride ld elements) as soon written:
     a tile's C lines arrive while its K loop runs instead of stalling its stores (or loads)."""
-    for r in range(rows):
-        prefetch_write(flat, off + r * ld, 0)
+    for r in range(rows):  # every line, as prefetch_rows
+        for b in range(0, nbytes - 1, 64):
+            prefetch_write(flat, off + r * ld, b)
         prefetch_write(flat, off + r * ld, nbytes - 1)
 
 
@@ -177,6 +178,7 @@ def pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
 @jit(inline="always")
 def prefetch_rows(flat, off, ld, rows, nbytes):
     """Hint the `rows` rows of nbytes bytes from flat[off] (row stride ld elements) as soon read."""
-    for r in range(rows):
-        prefetch_l2(flat, off + r * ld, 0)
+    for r in range(rows):  # every line: a run not aligned to lines spans one more than nbytes / 64
+        for b in range(0, nbytes - 1, 64):
+            prefetch_l2(flat, off + r * ld, b)
         prefetch_l2(flat, off + r * ld, nbytes - 1)
