@@ -24,6 +24,7 @@ from .. import ops
 from ..codegen.knobs import Workload
 from ..ops.embedding import empty_table
 from ..ops.loss import LOSSES
+from ..ops.workspace import empty_aligned
 from .configs import dlrm_workload, interaction_width
 from .model_state import ModelState, SplitWeight, arch_extras
 from .optimizers import DEFAULT_EPS, describe, make_optimizers
@@ -263,7 +264,9 @@ class DLRM(TrainStages, ModelState):
     def _init_mlp(rs, sizes):
         ws, bs = [], []
         for n, m in zip(sizes[:-1], sizes[1:]):
-            ws.append(rs.normal(0.0, np.sqrt(2.0 / (m + n)), size=(m, n)).astype(np.float32))
+            w = empty_aligned((m, n))  # a multi-MB weight streams through every step: huge pages
+            w[:] = rs.normal(0.0, np.sqrt(2.0 / (m + n)), size=(m, n))
+            ws.append(w)
             bs.append(rs.normal(0.0, np.sqrt(1.0 / m), size=m).astype(np.float32))
         return ws, bs
 

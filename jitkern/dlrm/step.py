@@ -10,6 +10,7 @@ import numpy as np
 
 from ..codegen import host_target
 from ..ops import BF16Array
+from ..ops.workspace import empty_aligned
 
 
 class StageTimer:
@@ -59,9 +60,9 @@ class Buffers:
         # model: the DLRM (its layer widths, table count and precision)
         self.size = b
         bf16 = model.precision == "bf16"
-        act = _bf16 if bf16 else (lambda *shape: np.empty(shape, np.float32))
+        act = _bf16 if bf16 else (lambda *shape: empty_aligned(shape))  # tiles' C rows on whole lines
         self.bot = [act(b, n) for n in model.bottom_mlp[1:]]
-        self.top = [act(b, n) for n in model.top_mlp[1:-1]] + [np.empty((b, model.top_mlp[-1]), np.float32)]
+        self.top = [act(b, n) for n in model.top_mlp[1:-1]] + [empty_aligned((b, model.top_mlp[-1]))]
         # pooled embeddings, one contiguous (B, D) block per table written in place via out=,
         # handed to the interaction as a list of T views (no stacking copy)
         self.pooled = np.empty((model.num_tables, b, model.feature_dim), np.float32)
@@ -93,7 +94,7 @@ class Buffers:
         got = self._grads.get(key)
         if got is None:
             dx = self._act(self.size, shape[1]) if need_dx else None
-            got = self._grads[key] = (dx, np.empty(shape, np.float32))
+            got = self._grads[key] = (dx, empty_aligned(shape))  # written whole every step, as the weight
         return got
 
 

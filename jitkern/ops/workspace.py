@@ -1,13 +1,43 @@
-"""Per-thread scratch buffers for the GEMM, cross and weight-gradient drivers: 64-byte aligned,
-grown geometrically and kept between calls, so multi-MB workspaces do not pay their page faults on
-every call. A buffer's user is done with it before its op returns."""
+"""Memory for the kernels: per-thread scratch buffers for the GEMM, cross and weight-gradient
+drivers (64-byte aligned, grown geometrically and kept between calls, so multi-MB workspaces do not
+pay their page faults on every call; a buffer's user is done with it before its op returns), and
+long-lived arrays on cache lines and, where large, on transparent huge pages (empty_aligned)."""
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
 
 _SCRATCH = threading.local()
+_LINE = 64
+_HUGE_PAGE = 2 << 20
+HUGE_STREAMED = _HUGE_PAGE  # arrays read whole every step (MLP weights, their gradients) gain from here
+
+
+def empty_aligned(shape, dtype=np.float32, *, huge_from: int = HUGE_STREAMED) -> np.ndarray:
+    """An uninitialised C-contiguous array starting on a 64-byte cache line (NumPy's start 16 bytes
+    in), and from huge_from bytes on transparent huge pages where the OS offers them (Linux
+    madvise): one TLB entry per 2 MiB instead of per 4 KiB page, for an array whose pages are each
+    touched every step (a 4 MB weight read by column panels walks a page table per row)."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in np.atleast_1d(shape))
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    m = None
+    if advice is not None and nbytes >= huge_from:
+        try:  # private anonymous memory (shared mappings would be shmem, which THP leaves alone)
+            m = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            m.madvise(advice)
+        except (OSError, ValueError, AttributeError):
+            m = None
+    if m is None:
+        raw = np.empty(nbytes + _LINE, np.uint8)
+        start = -raw.ctypes.data % _LINE
+    else:
+        raw = np.frombuffer(m, np.uint8)  # the array keeps the mapping alive
+        start = -raw.ctypes.data % _HUGE_PAGE  # 2 MiB aligned, so every whole huge page can be one
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def thread_buffer(name: str, dtype, size: int) -> np.ndarray:

@@ -10,7 +10,6 @@ when `last` (include_last_offset), per-sample weights (nnz,) or empty, and the m
 from __future__ import annotations
 
 import math
-import mmap
 import threading
 
 import numba
@@ -21,6 +20,7 @@ from ...codegen.bf16 import as_float32, as_uint32, widen
 from ...codegen.prefetch import HINTS, prefetch_at
 from ...codegen.rowvec import SHUFFLE, row_axpy, row_set, row_split_axpy, row_sum_squares
 from ...codegen.target import host_target
+from ..workspace import empty_aligned
 
 SPECIALISED_D = (16, 32, 64, 128)  # widths that get a compile-time-D kernel
 L2 = HINTS["l2"]                   # the updates' prefetch level: the line arrives shared, written in place
@@ -47,33 +47,15 @@ def d_class(d: int) -> int:
 
 # ----------------------------------------------------------------------------- table memory
 
-_LINE = 64
-_HUGE_PAGE = 2 << 20
 _HUGE_MIN_BYTES = 16 << 20  # smaller tables mostly stay cached; not worth a private mapping
 
 
 def empty_table(rows: int, dim: int, dtype=np.float32) -> np.ndarray:
     """An uninitialised C-contiguous (rows, dim) table starting on a 64-byte cache line (as torch's
     tensors do; NumPy's start 16 bytes in), so rows of whole lines need one prefetch per line,
-    and on transparent huge pages where the OS offers them (Linux madvise): random row reads then
-    stop missing the TLB on every row."""
-    dtype = np.dtype(dtype)
-    nbytes = int(rows) * int(dim) * dtype.itemsize
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    m = None
-    if advice is not None and nbytes >= _HUGE_MIN_BYTES:
-        try:  # private anonymous memory (shared mappings would be shmem, which THP leaves alone)
-            m = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            m.madvise(advice)
-        except (OSError, ValueError, AttributeError):
-            m = None
-    if m is None:
-        raw = np.empty(nbytes + _LINE, np.uint8)
-        start = -raw.ctypes.data % _LINE
-        return raw[start:start + nbytes].view(dtype).reshape(rows, dim)
-    raw = np.frombuffer(m, np.uint8)  # the array keeps the mapping alive
-    start = -raw.ctypes.data % _HUGE_PAGE  # 2 MiB aligned, so every whole huge page can be one
-    return raw[start:start + nbytes].view(dtype).reshape(rows, dim)
+    and on transparent huge pages where the OS offers them (Linux madvise) from 16 MiB: random row
+    reads then stop missing the TLB on every row."""
+    return empty_aligned((int(rows), int(dim)), dtype, huge_from=_HUGE_MIN_BYTES)
 
 
 # ----------------------------------------------------------------------------- scratch and threads
