@@ -15,7 +15,8 @@ _DUMMY = np.zeros(1, np.float32)
 
 def transpose_into(src, dst, bias=None, relu=False):
     """dst (n, m) = src (m, n).T, then (optionally) the linear epilogue dst = relu?(dst + bias)
-    with bias (m,): the output of a GEMM computed transposed, finished on its way out."""
+    with bias (m,): the output of a GEMM computed transposed, finished on its way out. With an
+    epilogue, src is left holding its values (it is applied in place before the transpose)."""
     _transpose_kernel(src, dst, _DUMMY if bias is None else bias, bias is not None, bool(relu))
     return dst
 
@@ -23,7 +24,7 @@ def transpose_into(src, dst, bias=None, relu=False):
 @jit(parallel=True)
 def _transpose_kernel(src, dst, bias, use_bias, relu):
     # 16 x 16 blocks transposed in registers (rows of 16 floats loaded, columns stored as
-    # 16-float vectors), the epilogue on each block while it is in L1, ragged edges element-wise
+    # 16-float vectors), ragged edges element-wise
     m, n = src.shape
     sf, df = src.reshape(m * n), dst.reshape(m * n)
     rowaddr = addr_of(src) + 4 * n * np.arange(m, dtype=np.int64)  # byte address of each row of src
@@ -32,21 +33,26 @@ def _transpose_kernel(src, dst, bias, use_bias, relu):
     for bi in prange((m + 15) // 16):
         i0 = bi * 16
         i1 = min(m, i0 + 16)
+        if epi:  # on the block's rows of src, contiguous, before they are transposed: the rows of
+            for i in range(i0, i1):  # dst a block spans are 4 KiB apart as often as not (L1 set conflicts)
+                row, b = i * n, bias[i] if use_bias else np.float32(0.0)
+                if use_bias and relu:  # ordered compare, as the tile epilogue: NaN stays NaN
+                    for j in range(n):
+                        v = sf[_u(row + j)] + b
+                        sf[_u(row + j)] = np.float32(0.0) if v < 0 else v
+                elif use_bias:
+                    for j in range(n):
+                        sf[_u(row + j)] += b
+                else:
+                    for j in range(n):
+                        v = sf[_u(row + j)]
+                        sf[_u(row + j)] = np.float32(0.0) if v < 0 else v
         if i0 < mb:
             for j0 in range(0, nb, 16):
                 vtranspose16(rowaddr, i0, 4 * j0, df, j0 * m + i0, m)
         for j in range(0 if i0 >= mb else nb, n):
             for i in range(i0, i1):
                 df[_u(j * m + i)] = sf[_u(i * n + j)]
-        if epi:
-            for j in range(n):
-                for i in range(i0, i1):
-                    v = df[_u(j * m + i)]
-                    if use_bias:
-                        v += bias[i]
-                    if relu and v < 0:  # ordered compare, as the tile epilogue: NaN stays NaN
-                        v = np.float32(0.0)
-                    df[_u(j * m + i)] = v
 
 
 # --------------------------------------------------------------------------- ReLU gradient
