@@ -15,9 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
+from numba import literal_unroll
 
-from ..codegen import KernelSpec, get_kernel, host_target
+from ..codegen import KernelSpec, get_kernel, host_target, jit
 from ..codegen.knobs import knob, memo_choices, pow2_class
+from ..codegen.vec import addr_of
 from . import _check, interaction_kernel  # noqa: F401  (registers the dot kernels' factories)
 from .bf16 import BF16Array
 
@@ -52,6 +54,10 @@ def _features(x, ly, bf16_ok=True):
     B, D = x.shape
     item = x.itemsize
     if isinstance(ly, (list, tuple)):
+        if ly and not bf16 and all(type(a) is np.ndarray and a.dtype == x.dtype and a.ndim == 2 for a in ly):
+            addrs, row = _uniform_rows(tuple(ly), B, D)
+            if row > 0:  # every element (B, D), one row stride, unit element stride: read in place
+                return x, ly, addrs, (row // item if B > 1 else D), len(ly)
         parts = []
         for t, a in enumerate(ly):
             a = _element(f"ly[{t}]", a, bf16, 2)
@@ -70,6 +76,22 @@ def _features(x, ly, bf16_ok=True):
     T = ly.shape[1]
     addrs = ly.ctypes.data + item * D * np.arange(T, dtype=np.int64)
     return x, [ly], addrs, T * D, T
+
+
+@jit()
+def _uniform_rows(parts, B, D):
+    """(byte address of each 2-D array of the tuple, their common row stride in bytes) if every one
+    is (B, D) with unit element stride and all share one positive row stride, else (addresses, -1).
+    One compiled call in place of a ctypes lookup per array (~1.3 us each, 26 a call in a DLRM)."""
+    addrs = np.empty(len(parts), np.int64)
+    row = parts[0].strides[0]
+    ok = row > 0 and row % parts[0].itemsize == 0
+    t = 0
+    for a in literal_unroll(parts):  # any mix of layouts: the tables' views need not share one
+        addrs[t] = addr_of(a)
+        ok = ok and a.shape[0] == B and a.shape[1] == D and a.strides[1] == a.itemsize and a.strides[0] == row
+        t += 1
+    return addrs, row if ok else -1
 
 
 @functools.lru_cache(maxsize=None)
