@@ -163,19 +163,41 @@ def _emit_k_loop(t: _Tile, blocks, init, kc, a, b):
     return acc
 
 
-def _emit_epilogue(t: _Tile, acc, pbias, use_bias, relu):
-    """Per-column bias, then ReLU that keeps NaN (x < 0 -> 0, else x), on the registers.
-
-    The flags are runtime values (this runs once per tile, so a select costs nothing); the bias
-    pointer must be valid for NR floats even when use_bias is false.
-    """
+def _emit_epilogue(t: _Tile, acc, pbias, use_bias, relu, blocks):
+    """Per-column bias, then ReLU that keeps NaN (x < 0 -> 0, else x), on the registers, each step
+    behind one branch on its runtime flag (LLVM turns a select per accumulator on a flag from
+    memory into a branch per accumulator). blocks = (bias, relu check, relu, done): the builder is
+    in the block to branch from, and ends in `done` with the values returned. The bias pointer
+    must be valid for NR floats even without use_bias."""
+    b_bias, b_check, b_relu, b_done = blocks
     bld, vec, vw = t.bld, t.vec, t.vw
     zero = ir.Constant(vec, [0.0] * vw)
+    come = bld.block
+    bld.cbranch(use_bias, b_bias, b_check)
+    bld.position_at_end(b_bias)
     bias = [bld.load(bld.bitcast(bld.gep(pbias, [ir.Constant(_I64, v * vw)]), vec.as_pointer()), align=4)
             for v in range(t.nv)]
-    done = t.grid(lambda r, v: bld.select(use_bias, bld.fadd(acc[r][v], bias[v]), acc[r][v]))
-    return [[bld.select(relu, bld.select(bld.fcmp_ordered("<", x, zero), zero, x), x) for x in row]
-            for row in done]
+    added = t.grid(lambda r, v: bld.fadd(acc[r][v], bias[v]))
+    bld.branch(b_check)
+    bld.position_at_end(b_check)
+    biased = _join(t, [(come, acc), (b_bias, added)])
+    bld.cbranch(relu, b_relu, b_done)
+    bld.position_at_end(b_relu)
+    cut = [[bld.select(bld.fcmp_ordered("<", x, zero), zero, x) for x in row] for row in biased]
+    bld.branch(b_done)
+    bld.position_at_end(b_done)
+    return _join(t, [(b_check, biased), (b_relu, cut)])
+
+
+def _join(t: _Tile, incoming):
+    """Phis, in the current block, of the accumulators arriving from [(predecessor, values)]."""
+    bld = t.bld
+    out = t.grid(lambda r, v: bld.phi(t.vec))
+    for block, values in incoming:
+        for r in range(t.mr):
+            for v in range(t.nv):
+                out[r][v].add_incoming(values[r][v], block)
+    return out
 
 
 def _emit_mask(t: _Tile, acc, pmask, byte):
@@ -204,11 +226,7 @@ def _emit_mask_out(t: _Tile, acc, pmaskb):
 def _emit_store(t: _Tile, incoming):
     """C = the accumulators arriving from `incoming` = [(predecessor block, accumulators)]."""
     bld = t.bld
-    outs = t.grid(lambda r, v: bld.phi(t.vec))
-    for block, values in incoming:
-        for r in range(t.mr):
-            for v in range(t.nv):
-                outs[r][v].add_incoming(values[r][v], block)
+    outs = _join(t, incoming)
     for r in range(t.mr):
         for v in range(t.nv):
             bld.store(outs[r][v], t.c_ptr(r, v), align=4)
@@ -227,9 +245,11 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     fn, fma = _declare(module, name, vw)
     kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu, pmask, pmaskb, mask_mode = fn.args
     names = ("entry", "load_c", "k_pick", "k_pick2", "kp_head", "kp_body", "kr_head", "kr_body", "kg_head",
-             "kg_body", "k_done", "epilogue", "mask", "mask_b", "mask_out", "store")
+             "kg_body", "k_done", "epilogue", "bias", "relu_check", "relu", "epilogue_done", "mask", "mask_b",
+             "mask_out", "store")
     (entry, b_load, b_pick, b_pick2, bp_head, bp_body, br_head, br_body, bg_head, bg_body, b_tail, b_epi,
-     b_mask, b_maskb, b_mask_out, b_store) = (fn.append_basic_block(n) for n in names)
+     b_bias, b_check, b_relu, b_epi_done, b_mask, b_maskb, b_mask_out, b_store) = (fn.append_basic_block(n)
+                                                                                   for n in names)
     t = _Tile(ir.IRBuilder(entry), mr, nr // vw, vw, pc, ldc, fma)
     bld = t.bld
     fp, one = _F32.as_pointer(), ir.Constant(_I64, 1)
@@ -242,11 +262,7 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     loaded = t.grid(lambda r, v: bld.load(t.c_ptr(r, v), align=4))
     bld.branch(b_pick)
     bld.position_at_end(b_pick)
-    start = t.grid(lambda r, v: bld.phi(t.vec))
-    for r in range(mr):
-        for v in range(t.nv):
-            start[r][v].add_incoming(ir.Constant(t.vec, [0.0] * vw), entry)
-            start[r][v].add_incoming(loaded[r][v], b_load)
+    start = _join(t, [(entry, t.grid(lambda r, v: ir.Constant(t.vec, [0.0] * vw))), (b_load, loaded)])
     consecutive = [bld.gep(pa, [ir.Constant(_I64, r)]) for r in range(mr)]
     bld.cbranch(bld.icmp_signed("==", ar, one), bp_head, b_pick2)
     bld.position_at_end(b_pick2)
@@ -257,14 +273,10 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
         acc = _emit_k_loop(t, (head, body, b_tail), [(pick, start)], kc, a, (pb, ldb))
         ends.append((head, acc))
     bld.position_at_end(b_tail)
-    acc = t.grid(lambda r, v: bld.phi(t.vec))
-    for block, values in ends:
-        for r in range(mr):
-            for v in range(t.nv):
-                acc[r][v].add_incoming(values[r][v], block)
+    acc = _join(t, ends)
     bld.cbranch(epi, b_epi, b_store)
     bld.position_at_end(b_epi)
-    done = _emit_epilogue(t, acc, pbias, use_bias, relu)
+    done = _emit_epilogue(t, acc, pbias, use_bias, relu, (b_bias, b_check, b_relu, b_epi_done))
     # branches, not selects: a mask is not touched unless used
     modes = bld.switch(mask_mode, b_store)
     for mode, block in ((MASK_F32, b_mask), (MASK_BYTE, b_maskb), (MASK_OUT, b_mask_out)):
@@ -279,7 +291,7 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     _emit_mask_out(t, done, pmaskb)
     bld.branch(b_store)
     bld.position_at_end(b_store)
-    _emit_store(t, [(b_tail, acc), (b_epi, done), (b_mask, masked), (b_maskb, masked_b), (b_mask_out, done)])
+    _emit_store(t, [(b_tail, acc), (b_epi_done, done), (b_mask, masked), (b_maskb, masked_b), (b_mask_out, done)])
     bld.ret_void()
     return fn
 
