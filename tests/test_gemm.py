@@ -530,3 +530,15 @@ def test_linear_backward_rejects_bad_outputs():
         linear_backward(dy, x, w, out_dw=w)
     with pytest.raises(ValueError, match="out_dx is given but need_dx is False"):
         linear_backward(dy, x, w, need_dx=False, out_dx=np.empty((8, 5), np.float32))
+
+
+@pytest.mark.parametrize("huge_from", [0, 1 << 40])  # the huge-page mapping, and NumPy's memory
+def test_empty_aligned_gives_plain_line_aligned_arrays(huge_from):
+    from jitkern.ops.workspace import empty_aligned
+    for shape, dtype in (((3, 5, 7), np.float32), (100, np.uint16), ((0, 4), np.float32), ((2, 1 << 20), np.float32)):
+        a = empty_aligned(shape, dtype, huge_from=huge_from)
+        assert a.shape == tuple(np.atleast_1d(shape)) and a.dtype == dtype
+        assert a.flags.c_contiguous and a.flags.writeable
+        assert a.size == 0 or a.ctypes.data % 64 == 0  # (an empty array's pointer is NumPy's placeholder)
+        a[...] = 7  # every byte of it is ours
+        assert (a == 7).all()
