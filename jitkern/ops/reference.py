@@ -25,6 +25,7 @@ from .reference_bf16 import (  # noqa: F401  (re-exported: every op's reference 
     linear_forward_bf16,
 )
 from .reference_embedding import (  # noqa: F401  (re-exported, as the bf16 ones)
+    _bag_bounds,
     dequantize_rowwise,
     embedding_bag_adagrad_,
     embedding_bag_adagrad_exact_,
