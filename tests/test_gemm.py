@@ -184,6 +184,27 @@ def test_forward_layouts_give_identical_bits(n, k, m, bias, act, seed):
     np.testing.assert_array_equal(direct, transposed)
 
 
+@given(n=dims, k=dims, m=dims, seed=st.integers(0, 99))
+def test_weight_grad_layouts_give_identical_bits(n, k, m, seed):
+    # dw = g.T @ x and dw.T = x.T @ g run the same FMA chain per element: the layout knob's choice
+    # (gemm.layout.linear_dw) must not change a bit
+    rng = np.random.default_rng(seed)
+    g, x = arrays(rng, n, m), arrays(rng, n, k)
+    direct, transposed = (G._weight_grad(g, x, np.empty((m, k), np.float32), t) for t in (False, True))
+    np.testing.assert_array_equal(direct, transposed)
+    assert_close(direct, g.T.astype(np.float64) @ x, np.abs(g.T).astype(np.float64) @ np.abs(x), n)
+
+
+def test_weight_grad_layout_follows_the_register_tile():
+    # dw.T where it fills many more of the tile's lanes (an input MR wide: dw.T's rows fill one row
+    # tile, dw's columns MR of NR lanes); dw at equal use
+    mr, nr, _ = G.tile_shape()
+    t = numba.get_num_threads()
+    assert G.DW_LAYOUT.heuristic((4 * nr, mr, 2048, t))["transposed"] == (nr > mr)
+    assert not G.DW_LAYOUT.heuristic((4 * nr, 8 * nr, 2048, t))["transposed"]
+    assert not G.DW_LAYOUT.heuristic((nr // 2 + 1, 4 * nr, 2048, t))["transposed"]
+
+
 def test_small_batches_run_transposed_large_ones_directly():
     threads = numba.get_num_threads()
     assert G.FORWARD_LAYOUT.heuristic((32, 1024, 1024, threads))["transposed"]

@@ -184,6 +184,7 @@ def test_gemm_runners_time_the_problems_thread_count(monkeypatch, threads):
     want = min(threads, numba.config.NUMBA_NUM_THREADS)
     other = 2 if want == 1 else 1
     knob_runs = [(G.BLOCKS["linear_dw"], (64, 256, 96, threads)), (G.FORWARD_LAYOUT, (8, 64, 32, threads)),
+                 (G.DW_LAYOUT, (64, 13, 96, threads)),
                  (B.BLOCKS["linear_forward"], (16, 64, 32, threads))]
     before = numba.get_num_threads()
     numba.set_num_threads(min(other, numba.config.NUMBA_NUM_THREADS))

@@ -146,11 +146,14 @@ BLOCKS = {v: knob(f"gemm.blocks.{v}", doc=f"(mc, kc) cache blocks of {v}",
 blocks_for = BlockChoices(BLOCKS, shape_blocks)
 
 
-def _forward_problems(w):
-    if "fp32" in w.precisions:
-        for batch, kin, kout in w.linears:
-            for threads in w.threads:
-                yield batch, kout, kin, threads
+def _fp32_layers(order):
+    """problems(workload): order(batch, in, out) + (threads,) for each fp32 linear layer."""
+    def problems(w):
+        if "fp32" in w.precisions:
+            for batch, kin, kout in w.linears:
+                for threads in w.threads:
+                    yield order(batch, kin, kout) + (threads,)
+    return problems
 
 
 def _layout_runner(problem, params):
@@ -160,10 +163,26 @@ def _layout_runner(problem, params):
     return on_threads(threads, lambda: _forward(x, w, bias, y, True, params["transposed"]))
 
 
+def _dw_layout_runner(problem, params):
+    out, k, batch, threads = problem
+    g, x, dw = _inputs(True, False, out, k, batch)
+    return on_threads(threads, lambda: _weight_grad(g, x, dw, params["transposed"]))
+
+
+# problem (out, in, batch, threads), as linear_dw's blocks; classed by the exact widths, whose
+# remainders against the register tile decide the layout (13 and 16 wide inputs differ)
+DW_LAYOUT = knob("gemm.layout.linear_dw", doc="linear_backward's dw = g.T @ x, or dw.T = x.T @ g transposed",
+                 heuristic=lambda p: {"transposed": dw_variant(p[0], p[1], *tile_shape()[:2]) == "linear_dwt"},
+                 shape_class=lambda p: f"{p[0]}x{p[1]}x{pow2_class(p[2])}t{p[3]}",
+                 problems=_fp32_layers(lambda batch, kin, kout: (kout, kin, batch)),
+                 candidates=lambda p, quick: [{"transposed": False}, {"transposed": True}], runner=_dw_layout_runner)
+
+
 # problem (batch, out, in, threads), as linear_forward's blocks
 FORWARD_LAYOUT = knob("gemm.layout.linear_forward", doc="linear_forward as y = x @ w.T or as y.T = w @ x.T",
                       heuristic=lambda p: {"transposed": _transposed_heuristic(*p[:3])},
-                      shape_class=lambda p: f"{pow2_class(*p[:3])}t{p[3]}", problems=_forward_problems,
+                      shape_class=lambda p: f"{pow2_class(*p[:3])}t{p[3]}",
+                      problems=_fp32_layers(lambda batch, kin, kout: (batch, kout, kin)),
                       candidates=lambda p, quick: [{"transposed": False}, {"transposed": True}] if p[0] > 1 else
                       [{"transposed": False}], runner=_layout_runner)
 
@@ -315,12 +334,16 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
         db[:] = 0.0
     if need_dx:
         _run(g, w, dx, False, False, "linear_dx", mask=(x if x_mask is None else x_mask) if input_relu else None)
-    mr, nr, _ = tile_shape()
-    if dw_variant(m, k, mr, nr) == "linear_dwt":
-        transpose_into(_run(x, g, transposed_buffer(k * m).reshape(k, m), True, False, "linear_dwt"), dw)
-    else:
-        _run(g, x, dw, True, False, "linear_dw")
-    return dx, dw, db
+    return dx, _weight_grad(g, x, dw, DW_LAYOUT.choose((m, k, n, numba.get_num_threads()))["transposed"]), db
+
+
+def _weight_grad(g, x, dw, transposed):
+    """dw = g.T @ x on validated arrays, directly or as dw.T = x.T @ g then transposed (the same
+    FMA chain per element either way: identical bits)."""
+    m, k = dw.shape
+    if transposed:
+        return transpose_into(_run(x, g, transposed_buffer(k * m).reshape(k, m), True, False, "linear_dwt"), dw)
+    return _run(g, x, dw, True, False, "linear_dw")
 
 
 def _grad_outputs(dx_shape, dw_shape, out_dx, out_dw, *inputs):

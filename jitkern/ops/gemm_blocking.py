@@ -22,8 +22,10 @@ def _lane_use(m: int, n: int, mr: int, nr: int) -> float:
 def dw_variant(m: int, k: int, mr: int, nr: int) -> str:
     """linear_backward's weight gradient (m out, k in): dw = g.T @ x ("linear_dw"), or
     dw.T = x.T @ g ("linear_dwt") when that fills the register tiles better (13 -> 512: 0.81 vs
-    0.41 of the lanes); at equal use dw is the faster of the two."""
-    return "linear_dwt" if _lane_use(k, m, mr, nr) > 1.02 * _lane_use(m, k, mr, nr) else "linear_dw"
+    0.41 of the lanes); at equal use dw is the faster of the two, and it still is at a few percent
+    fewer lanes (AVX2, 256 -> 64 at 0.977x dwt's lanes: dw 15-20% faster; AVX-512, 367 -> 512 at
+    0.96x: a tie). The heuristic of the tuned knob gemm.layout.linear_dw (ops/gemm.py)."""
+    return "linear_dwt" if _lane_use(k, m, mr, nr) > 1.03 * _lane_use(m, k, mr, nr) else "linear_dw"
 
 
 def forward_transposed(batch: int, out: int, k: int, nr: int, l2: int) -> bool:
