@@ -563,3 +563,33 @@ def test_empty_aligned_gives_plain_line_aligned_arrays(huge_from):
         assert a.size == 0 or a.ctypes.data % 64 == 0  # (an empty array's pointer is NumPy's placeholder)
         a[...] = 7  # every byte of it is ours
         assert (a == 7).all()
+
+
+def test_write_bound_gemm_streams_c_with_the_same_bits(monkeypatch):
+    # k <= STREAM_MAX_K and C beyond L2: C is stored non-temporally (full tiles; the edge panel and
+    # the ReLU mask as usual), on every thread count, with the same bits as cached stores
+    from jitkern.codegen import target_isa
+    from jitkern.ops.workspace import empty_aligned
+    GK = importlib.import_module("jitkern.ops.gemm_kernel")
+    rng = np.random.default_rng(3)
+    n, k = 1024, 13
+    m = (host_target().l2 // (4 * n) + 64) // 64 * 64 + 16  # C beyond L2; a half panel at the edge
+    x, w, b = arrays(rng, n, k), arrays(rng, m, k), arrays(rng, m)
+    want = np.maximum(x.astype(np.float64) @ w.T + b, 0)
+    got = {}
+    for limit in (GK.STREAM_MAX_K, 0):
+        monkeypatch.setattr(GK, "STREAM_MAX_K", limit)
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            y, mask = empty_aligned((n, m)), np.empty((n, m), np.bool_)
+            assert GK._streams(y, k, 0.0, target_isa()) == (limit > 0 and target_isa() in ("avx2", "avx512"))
+            before = numba.get_num_threads()
+            numba.set_num_threads(threads)
+            try:
+                linear_forward(x, w, b, activation="relu", out=y, out_mask=mask)
+            finally:
+                numba.set_num_threads(before)
+            got[limit, threads] = y, mask
+    for y, mask in got.values():
+        np.testing.assert_array_equal(y, got[0, 1][0])
+        np.testing.assert_array_equal(mask, y > 0)
+    assert_close(got[0, 1][0], want, np.abs(x).astype(np.float64) @ np.abs(w).T + np.abs(b), k)

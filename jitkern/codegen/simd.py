@@ -21,6 +21,7 @@ code that LLVM lowers (and may auto-vectorise) for any CPU.
 """
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 
 from llvmlite import ir
@@ -43,6 +44,10 @@ _I1 = ir.IntType(1)
 
 # the tile's mask modes (see the module doc)
 NO_MASK, MASK_F32, MASK_BYTE, MASK_OUT = 0, 1, 2, 3
+# a bit or'ed into the mask mode: C's vectors are stored non-temporally (straight to memory, no
+# read of the lines first); C's tile rows must then be aligned to the vector width, and the caller
+# orders the stores with store_fence() before other threads read C
+STREAM = 4
 
 
 def tile_for(isa: str) -> tuple[int, int, int]:
@@ -223,13 +228,23 @@ def _emit_mask_out(t: _Tile, acc, pmaskb):
             bld.store(bld.zext(bld.fcmp_ordered(">", acc[r][v], zero), byte), t.byte_ptr(r, v, pmaskb), align=1)
 
 
-def _emit_store(t: _Tile, incoming):
-    """C = the accumulators arriving from `incoming` = [(predecessor block, accumulators)]."""
+def _emit_store(t: _Tile, incoming, stream, blocks):
+    """C = the accumulators arriving from `incoming` = [(predecessor block, accumulators)]; if
+    `stream`, by aligned non-temporal stores. blocks = (plain stores, streaming stores, exit)."""
     bld = t.bld
     outs = _join(t, incoming)
-    for r in range(t.mr):
-        for v in range(t.nv):
-            bld.store(outs[r][v], t.c_ptr(r, v), align=4)
+    b_plain, b_stream, b_exit = blocks
+    bld.cbranch(stream, b_stream, b_plain)
+    nontemporal = bld.module.add_metadata([ir.Constant(_I32, 1)])
+    for block, nt in ((b_plain, False), (b_stream, True)):
+        bld.position_at_end(block)
+        for r in range(t.mr):
+            for v in range(t.nv):
+                st = bld.store(outs[r][v], t.c_ptr(r, v), align=4 * t.vw if nt else 4)
+                if nt:
+                    st.set_metadata("nontemporal", nontemporal)
+        bld.branch(b_exit)
+    bld.position_at_end(b_exit)
 
 
 def _emit_tile_function(module, mr: int, nr: int, vw: int):
@@ -243,15 +258,17 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     if fn is not None:
         return fn
     fn, fma = _declare(module, name, vw)
-    kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu, pmask, pmaskb, mask_mode = fn.args
+    kc, pa, ak, ar, pb, ldb, pc, ldc, load, epi, pbias, use_bias, relu, pmask, pmaskb, mode_bits = fn.args
     names = ("entry", "load_c", "k_pick", "k_pick2", "kp_head", "kp_body", "kr_head", "kr_body", "kg_head",
              "kg_body", "k_done", "epilogue", "bias", "relu_check", "relu", "epilogue_done", "mask", "mask_b",
-             "mask_out", "store")
+             "mask_out", "store", "store_plain", "store_stream", "done")
     (entry, b_load, b_pick, b_pick2, bp_head, bp_body, br_head, br_body, bg_head, bg_body, b_tail, b_epi,
-     b_bias, b_check, b_relu, b_epi_done, b_mask, b_maskb, b_mask_out, b_store) = (fn.append_basic_block(n)
-                                                                                   for n in names)
+     b_bias, b_check, b_relu, b_epi_done, b_mask, b_maskb, b_mask_out, b_store, *b_stores) = (
+        fn.append_basic_block(n) for n in names)
     t = _Tile(ir.IRBuilder(entry), mr, nr // vw, vw, pc, ldc, fma)
     bld = t.bld
+    mask_mode = bld.and_(mode_bits, ir.Constant(_I64, STREAM - 1))
+    stream = bld.icmp_signed("!=", bld.and_(mode_bits, ir.Constant(_I64, STREAM)), ir.Constant(_I64, 0))
     fp, one = _F32.as_pointer(), ir.Constant(_I64, 1)
     opaque = ir.InlineAsm(ir.FunctionType(fp, [fp]), "", "=r,0")
     # loop-invariant row pointers, opaque: loop strength reduction would otherwise derive each row's
@@ -291,7 +308,8 @@ def _emit_tile_function(module, mr: int, nr: int, vw: int):
     _emit_mask_out(t, done, pmaskb)
     bld.branch(b_store)
     bld.position_at_end(b_store)
-    _emit_store(t, [(b_tail, acc), (b_epi_done, done), (b_mask, masked), (b_maskb, masked_b), (b_mask_out, done)])
+    _emit_store(t, [(b_tail, acc), (b_epi_done, done), (b_mask, masked), (b_maskb, masked_b), (b_mask_out, done)],
+                stream, b_stores)
     bld.ret_void()
     return fn
 
@@ -327,6 +345,23 @@ def _operand(context, builder, ty, value):
     return _element(context, builder, ty.types[0], parts[0], ty.types[1], parts[1]), ints
 
 
+@intrinsic
+def store_fence(typingctx):
+    """Order this thread's earlier non-temporal (STREAM) stores before its later stores: at the end
+    of a task, so that threads reading C after the parallel loop see them (x86's locked operations,
+    which the loop's join uses, need not order them)."""
+    def codegen(context, builder, signature, args):
+        if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
+            fn = builder.module.globals.get("llvm.x86.sse.sfence")
+            if fn is None:
+                fn = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), []), name="llvm.x86.sse.sfence")
+            builder.call(fn, [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
 # One module-level intrinsic whose tile shape arrives as a literal int: numba's disk cache keys a
 # caller on its bytecode and closure values, so drivers must close over plain ints (tile_code),
 # never over per-process objects such as intrinsics (whose pickles differ between processes).
@@ -338,7 +373,8 @@ def fma_tile(typingctx, code, kc, a, b, c, bias, flags, mask):
     a = (array, offset, k stride, row stride), b = (array, offset, row stride), c = (array, offset,
     row stride), bias = (array, offset): flat float32 arrays and integers; mask = (flat float32
     M, flat uint8 Mb, offset: C's, the row stride c's); flags = (load, epi, use_bias, relu)
-    booleans and the mask mode (an integer); code = tile_code(...) must be a compile-time constant.
+    booleans and the mask mode (an integer, | STREAM for non-temporal stores of C); code =
+    tile_code(...) must be a compile-time constant.
     """
     operands = {"a": a, "b": b, "c": c, "bias": bias}
     if not isinstance(code, types.IntegerLiteral) or not isinstance(kc, types.Integer):

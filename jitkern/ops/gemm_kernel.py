@@ -22,8 +22,9 @@ import logging
 import numpy as np
 from numba import prange
 
-from ..codegen import KernelSpec, get_kernel, jit, kernel_factory, target_isa, uidx as _u
-from ..codegen.simd import MASK_BYTE, MASK_F32, MASK_OUT, NO_MASK, fma_tile, tile_code, tile_dims, tile_for
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa, uidx as _u
+from ..codegen.simd import (MASK_BYTE, MASK_F32, MASK_OUT, NO_MASK, STREAM, fma_tile, store_fence, tile_code, tile_dims,
+                             tile_for)
 from ..codegen.bf16 import relu_keep
 from .gemm_pack import (a_panel, b_in_place, pack_a_block, pack_b_columns, pack_b_panel, pack_b_rows, prefetch_c,
                         prefetch_rows, task_floats, task_parts)
@@ -99,8 +100,9 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
     p0, kcb = kpass
     m, n, k, ps, bp0 = geo
     a_inplace, ta, b_inplace, b_fused, load, epi, use_bias, relu, mask_mode = mode
-    masking = mask_mode if epi else NO_MASK
+    masking = mask_mode & (STREAM - 1) if epi else NO_MASK  # STREAM: full tiles only, in the last pass
     flags = (load, epi, use_bias, relu, masking)
+    full_flags = (load, epi, use_bias, relu, mask_mode if epi else NO_MASK)
     nip = (mcb + mr - 1) // mr
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
@@ -131,8 +133,9 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
             elif masking == MASK_BYTE:
                 prefetch_rows(maskb, ii * n + jj, n, mrem, nrem)
             if mrem == mr and nrem == nr:
-                prefetch_c(cf, ii * n + jj, n, mr, nr * 4)
-                fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, mask_op)
+                if not full_flags[4] & STREAM:  # streamed C lines are never read
+                    prefetch_c(cf, ii * n + jj, n, mr, nr * 4)
+                fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), full_flags, mask_op)
             else:
                 _edge_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, mask_op, tile, mrem, nrem)
 
@@ -245,6 +248,8 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
         flags = (a_inplace, ta, inplace, fused, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, mask_mode)
         _sweep_tiles(code, (aflat, ap), (bp, bflat), (cf, maskf, maskb), tile, biasp, blk, kpass, (m, n, k, ps, bp0),
                      flags)
+    if mask_mode & STREAM:
+        store_fence()
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,6 +262,19 @@ _DUMMY = np.zeros(1, np.float32)
 
 
 NO_BYTES = np.zeros(1, np.uint8)  # the tile's byte mask operand where no byte mask is used
+
+
+# C is stored non-temporally when each element takes at most this many FMAs (a write-bound GEMM:
+# a layer on the 13 dense features, a small batch's weight gradient) and C does not fit in L2:
+# its lines would be read from memory only to be overwritten, and evicted before anyone reads them
+STREAM_MAX_K = 32
+
+
+def _streams(c, k, beta, isa):
+    """Whether the driver stores C non-temporally: write-bound, C written whole (beta 0, a vector
+    ISA), and its tile rows aligned to whole cache lines."""
+    return (beta == 0.0 and k <= STREAM_MAX_K and isa in ("avx2", "avx512") and c.nbytes > host_target().l2
+            and c.shape[1] % 16 == 0 and c.ctypes.data % 64 == 0)
 
 
 def _mask_args(mask, mask_out):
@@ -292,9 +310,11 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     isa = target_isa()
     mc, kc, nc = blocks
     mr, nr, _ = tile_for(isa)
+    mf, mb, mode = _mask_args(mask, mask_out)
+    if _streams(c, k, beta, isa):
+        mode |= STREAM
     npan = -(-n // nr)  # B's panels, the padded bias, then the tasks' regions
     need = npan * (k * nr + 16) + npan * nr + 16 + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, mr, nr)
-    mf, mb, mode = _mask_args(mask, mask_out)
     args = (a, b, c, _DUMMY if bias is None else bias, mf, mb, thread_buffer("ws", np.float32, need), (m, n, k),
             (np.float32(alpha), np.float32(beta)), (mc, kc, nc), (bool(ta), bool(tb), bias is not None, bool(relu), mode))
     kern = _kernel(isa)
