@@ -12,7 +12,8 @@ dot-product peak (a vdpbf16ps loop; the fp32 FMA peak where bf16 is widened to f
 alike), so every operand comes from DRAM, as a layer's input does inside a training step; without
 it, repeated calls find their operands in the caches.
 
---tune also times, for every GEMM those layers run (forward, dx, and dw or dwt), the blocking
+--tune also times, for every GEMM those layers run (forward or its transposed form, dx, and dw or dwt, as
+the layout knobs' heuristics pick them for the batch), the blocking
 knob's heuristic against each candidate of the full tuning grid, and prints the heuristic's rate,
 the best other candidate's and their time ratio (> 1: a candidate beats the heuristic).
 """
@@ -75,15 +76,19 @@ def tune_rows(batch: int, threads: int, rounds: int = 2, finalists: int = 3, min
     fresh times decide: the fastest of many noisy first timings is biased low (it is the one whose
     noise was kindest), which would flatter the field against the heuristic."""
     from ..codegen.knobs import get
-    from ..ops.gemm import dw_variant, shape_blocks, tile_shape
-    mr, nr, _ = tile_shape()
+    from ..ops.gemm import DW_LAYOUT, FORWARD_LAYOUT, shape_blocks
     timer = _timer(threads, min_time)
     problems = {}
-    for kin, kout in SHAPES:
-        dw = dw_variant(kout, kin, mr, nr)
-        problems[("linear_forward", (batch, kout, kin, threads))] = None
+    for kin, kout in SHAPES:  # the variants the layout knobs' heuristics run (a small batch: transposed)
+        if FORWARD_LAYOUT.heuristic((batch, kout, kin, threads))["transposed"]:
+            problems[("linear_forward_t", (kout, batch, kin, threads))] = None
+        else:
+            problems[("linear_forward", (batch, kout, kin, threads))] = None
         problems[("linear_dx", (batch, kin, kout, threads))] = None
-        problems[(dw, (kout, kin, batch, threads) if dw == "linear_dw" else (kin, kout, batch, threads))] = None
+        if DW_LAYOUT.heuristic((kout, kin, batch, threads))["transposed"]:
+            problems[("linear_dwt", (kin, kout, batch, threads))] = None
+        else:
+            problems[("linear_dw", (kout, kin, batch, threads))] = None
     rows = []
     for variant, problem in problems:
         knob = get(f"gemm.blocks.{variant}")
