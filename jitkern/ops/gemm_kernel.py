@@ -158,7 +158,8 @@ def _gemm_factory(spec: KernelSpec):
         # a: (m, k) or (k, m) if ta; b: (k, n) or (n, k) if tb; c: (m, n) C-contiguous; bias: (n,)
         # if use_bias; mask: flat (m * n) float32 if mask_mode is MASK_F32; maskb: flat (m * n)
         # uint8 if MASK_BYTE or MASK_OUT; ws: float32 scratch; dims = (m, n, k); scale = (alpha,
-        # beta) float32; blocks = (mc, kc, nc); flags = (ta, tb, use_bias, relu, mask_mode)
+        # beta) float32; blocks = (mc, kc, nc); flags = (ta, tb, use_bias, relu, mask_mode: | STREAM
+        # stores C's full tiles non-temporally, each task fenced at its end)
         m, n, k = dims
         alpha, beta = scale
         mc, kc, nc = blocks
