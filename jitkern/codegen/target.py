@@ -141,13 +141,19 @@ def _with_caches(base: Target, sizes) -> Target:
     return replace(base, l1d=l1d, l2=l2, l3=l3, cache_override=True)
 
 
+_TARGET_BY_TOKEN: dict = {}
+_ISA_BY_TOKEN: dict = {}
+
+
 def host_target() -> Target:
     """The target code is generated for: the detected host with JITKERN_CACHE_SIZES applied
-    (JITKERN_ISA acts through Target.isa)."""
-    return _with_caches(detected_target(), get_config().cache_sizes)
-
-
-_ISA_BY_TOKEN: dict = {}
+    (JITKERN_ISA acts through Target.isa). Memoised per choice_token(): kernel wrappers ask on
+    every call, where reading the configuration costs ~2 us."""
+    token = choice_token()
+    target = _TARGET_BY_TOKEN.get(token)
+    if target is None:
+        target = _TARGET_BY_TOKEN[token] = _with_caches(detected_target(), get_config().cache_sizes)
+    return target
 
 
 def target_isa() -> str:

@@ -14,11 +14,10 @@ run with the linear ops' blocking knobs (their shapes are in the DLRM's workload
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import prange
 
-from ..codegen import jit
+from ..codegen import jit, num_threads
 from ..codegen.bf16 import widen
 from ..codegen.vec import put
 from . import _check, cross_bf16
@@ -108,7 +107,7 @@ def _gemm(a, b, c, ta, variant, beta=0.0):
     m, n = c.shape
     k = a.shape[0] if ta else a.shape[1]
     if m and n:
-        gemm_into(a, b, c, ta, False, blocks_for(variant, m, n, k, numba.get_num_threads()), beta=beta)
+        gemm_into(a, b, c, ta, False, blocks_for(variant, m, n, k, num_threads()), beta=beta)
     return c
 
 

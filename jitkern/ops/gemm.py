@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import functools
 
-import numba
 import numpy as np
 
-from ..codegen import host_target, target_isa
+from ..codegen import host_target, num_threads, target_isa
 from ..codegen.knobs import knob, on_threads, pow2_class
 from ..codegen.simd import tile_for
 from . import _check, gemm_bf16
@@ -193,7 +192,7 @@ def _run(a, b, c, ta, tb, op, **kw):
     if m == 0 or n == 0:
         return c
     k = a.shape[0] if ta else a.shape[1]
-    return gemm_into(a, b, c, ta, tb, blocks_for(op, m, n, k, numba.get_num_threads()), **kw)
+    return gemm_into(a, b, c, ta, tb, blocks_for(op, m, n, k, num_threads()), **kw)
 
 
 # --------------------------------------------------------------------------- validation
@@ -272,7 +271,7 @@ def linear_forward(x, w, b=None, *, activation=None, out=None, out_dtype=None, o
     y = np.empty((n, m), np.float32) if out is None else _check.output("out", out, (n, m), x, w)
     if out_mask is not None:
         out_mask = _check.output("out_mask", out_mask, (n, m), x, w, y, dtype=np.bool_)
-    return _forward(x, w, b, y, relu, FORWARD_LAYOUT.choose((n, m, k, numba.get_num_threads()))["transposed"],
+    return _forward(x, w, b, y, relu, FORWARD_LAYOUT.choose((n, m, k, num_threads()))["transposed"],
                     out_mask)
 
 
@@ -334,7 +333,7 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
         db[:] = 0.0
     if need_dx:
         _run(g, w, dx, False, False, "linear_dx", mask=(x if x_mask is None else x_mask) if input_relu else None)
-    return dx, _weight_grad(g, x, dw, DW_LAYOUT.choose((m, k, n, numba.get_num_threads()))["transposed"]), db
+    return dx, _weight_grad(g, x, dw, DW_LAYOUT.choose((m, k, n, num_threads()))["transposed"]), db
 
 
 def _weight_grad(g, x, dw, transposed):

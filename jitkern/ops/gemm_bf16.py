@@ -10,10 +10,9 @@ the fp32 tile elsewhere.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-from ..codegen import host_target
+from ..codegen import host_target, num_threads
 from ..codegen.knobs import knob, on_threads, pow2_class
 from . import _check
 from .bf16 import BF16Array
@@ -87,7 +86,7 @@ def _run(a, b, c, ta, tb, op, **kw):
     if m == 0 or n == 0:
         return c
     k = a.shape[0] if ta else a.shape[1]
-    return gemm_bf16_into(a, b, c, ta, tb, blocks_for(op, m, n, k, numba.get_num_threads()), **kw)
+    return gemm_bf16_into(a, b, c, ta, tb, blocks_for(op, m, n, k, num_threads()), **kw)
 
 
 # --------------------------------------------------------------------------- arguments

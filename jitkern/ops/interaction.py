@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba import literal_unroll
 
-from ..codegen import KernelSpec, get_kernel, host_target, jit
+from ..codegen import KernelSpec, get_kernel, host_target, jit, num_threads
 from ..codegen.knobs import knob, memo_choices, pow2_class
 from ..codegen.vec import addr_of
 from . import _check, interaction_kernel  # noqa: F401  (registers the dot kernels' factories)
@@ -136,7 +136,7 @@ def _chosen(op, B, F, D, threads):
 def _run(op, B, F, D, *args):
     """op's kernel for F features of width D, over the batch, with the lanes and thread split the
     knobs choose."""
-    kernel, n = _chosen(op, B, F, D, numba.get_num_threads())
+    kernel, n = _chosen(op, B, F, D, num_threads())
     _over_batch(kernel, B, n, *args)
 
 

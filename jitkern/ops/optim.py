@@ -10,7 +10,7 @@ import numba
 import numpy as np
 from numba import prange
 
-from ..codegen import jit
+from ..codegen import jit, num_threads
 from ..codegen.bf16 import as_float32, as_uint32
 from ..codegen.knobs import knob, numba_threads
 from ..codegen.qrowvec import fma_f32
@@ -84,7 +84,7 @@ def sgd_(param, grad, lr):
         grad = grad.copy()
     if param.size:
         p, g = param.reshape(-1), grad.reshape(-1)
-        parallel = p.shape[0] >= SGD_PARALLEL.choose((numba.get_num_threads(),))["min_size"]
+        parallel = p.shape[0] >= SGD_PARALLEL.choose((num_threads(),))["min_size"]
         (_sgd_parallel if parallel else _sgd_serial)(p, g, np.float32(lr))
     return param
 
@@ -103,7 +103,7 @@ def split_sgd_(hi, lo, grad, lr):
     _check.no_overlap("grad", grad, hb, lo, what="hi or lo")
     if hb.size:
         h, l, g = hb.reshape(-1), lo.reshape(-1), grad.reshape(-1)
-        parallel = h.shape[0] >= SGD_PARALLEL.choose((numba.get_num_threads(),))["min_size"]
+        parallel = h.shape[0] >= SGD_PARALLEL.choose((num_threads(),))["min_size"]
         (_split_sgd_parallel if parallel else _split_sgd_serial)(h, l, g, np.float32(lr))
     return hi, lo
 
@@ -145,6 +145,6 @@ def adagrad_(param, state, grad, lr, eps):
     if param.size:
         p, s, g = param.reshape(-1), state.reshape(-1), grad.reshape(-1)
         # the update reads and writes 3 arrays where SGD does 2: the same threshold serves
-        parallel = p.shape[0] >= SGD_PARALLEL.choose((numba.get_num_threads(),))["min_size"]
+        parallel = p.shape[0] >= SGD_PARALLEL.choose((num_threads(),))["min_size"]
         (_adagrad_parallel if parallel else _adagrad_serial)(p, s, g, np.float32(lr), np.float32(eps))
     return param

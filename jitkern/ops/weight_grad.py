@@ -21,11 +21,10 @@ from __future__ import annotations
 import functools
 import logging
 
-import numba
 import numpy as np
 from numba import prange
 
-from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa, uidx as _u
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, num_threads, target_isa, uidx as _u
 from ..codegen.bf16 import relu_keep
 from ..codegen.simd import NO_MASK, fma_tile, tile_code, tile_for
 from .gemm_kernel import NO_BYTES
@@ -159,7 +158,7 @@ def _run(isa, dy, x, y, relu, dw, db):
     mr, nr, _ = tile_for(isa)
     kp = -(-(x.shape[1] + 1) // mr) * mr
     npan = -(-m // nr)
-    tasks = min(npan, numba.get_num_threads())
+    tasks = min(npan, num_threads())
     # a task's masked chunk in a quarter of L2, from which its row tiles read each panel
     cols = -(-npan // tasks) * nr
     kc = min(512, max(16, host_target().l2 // 4 // (cols * 4)))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import threading
 
-import numba
 import numpy as np
 
 from ...codegen import jit
@@ -81,22 +80,6 @@ def scratch(n, per_entry, dtype=np.int64):
     return buf
 
 
-def _first_num_threads() -> int:
-    """numba.get_num_threads(), which launches the threading layer; its C getter serves from then on."""
-    global _get_threads
-    from numba.np.ufunc import parallel
-    n = numba.get_num_threads()
-    _get_threads = getattr(parallel, "_get_num_threads", numba.get_num_threads)
-    return n
-
-
-_get_threads = _first_num_threads
-
-
-def num_threads() -> int:
-    """numba.get_num_threads() (this thread's setting), through the threading layer's C getter: the
-    public call costs ~0.65 us, 6% of a small forward."""
-    return _get_threads()
 
 
 # ----------------------------------------------------------------------------- njit row helpers

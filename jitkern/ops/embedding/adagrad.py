@@ -23,7 +23,7 @@ import functools
 import numpy as np
 from numba import prange
 
-from ...codegen import KernelSpec, get_kernel, jit, kernel_factory, tunedb
+from ...codegen import KernelSpec, get_kernel, jit, kernel_factory, num_threads, tunedb
 from ...codegen.knobs import knob
 from ...codegen.rowvec import stack_f32
 from ...config import choice_token
@@ -49,7 +49,6 @@ from ._rows import (
     d_class,
     entry_scale,
     madd_row,
-    num_threads,
     prefetch_row,
     prefetch_state_entry,
     prefetch_state_row,

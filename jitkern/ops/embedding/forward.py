@@ -18,7 +18,7 @@ import time
 import numpy as np
 from numba import prange
 
-from ...codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, tunedb
+from ...codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, num_threads, tunedb
 from ...codegen.knobs import knob
 from ...codegen.prefetch import HINTS
 from ...codegen.rowvec import WIDEN_SCHEMES, row_set_from, stack_f32
@@ -40,7 +40,7 @@ from ._knobs import (
     shape_class,
     widen_heuristic,
 )
-from ._rows import add_row, bag_end, d_class, madd_row, num_threads, prefetch_distance, prefetch_lines, straddles
+from ._rows import add_row, bag_end, d_class, madd_row, prefetch_distance, prefetch_lines, straddles
 from ._validate import check_bag_args, check_bags, check_table, raise_bag_error, validate_bags
 
 SERIAL_WORK = 1 << 14  # nnz * D up to which a call runs on the calling thread even with several threads

@@ -23,14 +23,14 @@ import functools
 import numpy as np
 from numba import prange
 
-from ...codegen import KernelSpec, get_kernel, jit, kernel_factory, tunedb
+from ...codegen import KernelSpec, get_kernel, jit, kernel_factory, num_threads, tunedb
 from ...codegen.knobs import knob, pow2_class
 from ...codegen.prefetch import prefetch_l2
 from ...codegen.qrowvec import fma_f32, qrow_fma, qrow_store, row_scale_bias
 from ...codegen.rowvec import stack_f32
 from .._check import I64, choice, float_array, index_array, output
 from ._knobs import cycle, draw_batches
-from ._rows import SPECIALISED_D, bag_end, empty_table, num_threads, prefetch_distance
+from ._rows import SPECIALISED_D, bag_end, empty_table, prefetch_distance
 from ._validate import check_bags, raise_bag_error, validate_bags
 from .forward import SERIAL_WORK
 

@@ -16,7 +16,7 @@ import functools
 import numpy as np
 from numba import prange
 
-from ...codegen import KernelSpec, get_kernel, jit, kernel_factory, tunedb
+from ...codegen import KernelSpec, get_kernel, jit, kernel_factory, num_threads, tunedb
 from ...codegen.knobs import knob
 from ...codegen.rowvec import SPLIT_SCHEMES, in_lanes, row_to_lanes, stack_f32
 from ...config import choice_token
@@ -44,7 +44,6 @@ from ._rows import (
     d_class,
     entry_scale,
     madd_row,
-    num_threads,
     prefetch_row,
     scratch,
     sgd_row,

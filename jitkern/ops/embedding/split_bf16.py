@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ...codegen import jit, knobs
+from ...codegen import jit, knobs, num_threads
 from ...codegen.bf16 import as_float32, as_uint32
-from ._rows import empty_table, num_threads
+from ._rows import empty_table
 
 
 @jit(parallel=True)
