@@ -56,13 +56,21 @@ def step_spread(seconds) -> float:
     return float(1.4826 * np.median(np.abs(x - np.median(x))))
 
 
+# Steps timed per size at least, where they fit in SPREAD_SECONDS: the spread (and so the sync
+# wait) from 7 steps of a 7 ms step ranged 0.06-0.54 ms between blocks of one run, from 31 0.16-0.30
+SPREAD_STEPS = 31
+SPREAD_SECONDS = 1.0
+
+
 def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> DenseStages | dict:
     """Per-stage seconds of a train step at `rows` (one size, or several: -> {rows: stages}), tables
     shrunk to 4 rows (their cost is not wanted). Each stage's median of `reps` steps (a measured
-    step is a typical one, not the luckiest: the sum of per-stage minima fell 3-7% short of it);
-    several sizes are timed in turns, so every size sees the machine as the others do. Before each
-    timed step, as many bytes stream through the caches as one rank's tables move in a step at
-    that slice (table_traffic): the MLPs' weights find the caches as the lookups left them."""
+    step is a typical one, not the luckiest: the sum of per-stage minima fell 3-7% short of it),
+    or of up to SPREAD_STEPS where they take under SPREAD_SECONDS (small slices: their spread
+    needs the samples); several sizes are timed in turns, so every size sees the machine as the
+    others do. Before each timed step, as many bytes stream through the caches as one rank's
+    tables move in a step at that slice (table_traffic): the MLPs' weights find the caches as the
+    lookups left them."""
     from ..codegen.target import host_target
     from .model import DLRM, StageTimer
 
@@ -70,17 +78,22 @@ def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> DenseStages | dict:
     tiny = dataclasses.replace(cfg, sizes=(4,) * len(cfg.sizes))
     m = DLRM(**tiny.model_kwargs(), seed=0)
     m.timer = timer = StageTimer(CLOCK)
-    batches = {}
+    llc = max(host_target().l3, 1 << 20)
+    evict = {r: cache_evictor(min(table_traffic(cfg, r), 2 * llc)) for r in sizes}
+    batches, steps = {}, {}
     for r in sizes:
         b = config_batch(tiny, r)
         batches[r] = (b.dense, b.offsets, b.indices, b.labels)
-        for _ in range(2):
-            m.train_step(*batches[r], 0.01)
+        m.train_step(*batches[r], 0.01)
+        t0 = time.perf_counter()
+        evict[r]()
+        m.train_step(*batches[r], 0.01)
+        steps[r] = max(reps, min(SPREAD_STEPS, int(SPREAD_SECONDS / max(time.perf_counter() - t0, 1e-6))))
     seen = {r: {} for r in sizes}
-    llc = max(host_target().l3, 1 << 20)
-    evict = {r: cache_evictor(min(table_traffic(cfg, r), 2 * llc)) for r in sizes}
-    for _ in range(reps):
+    for i in range(max(steps.values())):
         for r in sizes:
+            if i >= steps[r]:
+                continue
             evict[r]()
             timer.reset()
             m.train_step(*batches[r], 0.01, check=False)
