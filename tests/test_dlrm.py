@@ -182,6 +182,24 @@ def test_relu_byte_masks_give_the_step_of_the_float_masks(monkeypatch):
         np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+def test_a_strided_dense_batch_trains_as_its_contiguous_copy():
+    # the bottom MLP's first layer reads the caller's dense array through the checked op (the
+    # layers after it skip the checks on the step's own buffers): a Fortran-ordered or strided
+    # dense is taken as its copy, bit for bit, in the forward and in the weight gradient
+    models = [DLRM(SIZES, D, BOTTOM, TOP, seed=5) for _ in range(3)]
+    rng = np.random.default_rng(4)
+    for _ in range(2):
+        dense, offsets, indices, labels = make_batch(rng)
+        wide = np.zeros((B, 2 * BOTTOM[0]), np.float32)
+        wide[:, ::2] = dense
+        views = (dense, np.asfortranarray(dense), wide[:, ::2])
+        losses = [m.train_step(v, offsets, indices, labels, 0.5) for m, v in zip(models, views)]
+        assert losses[0] == losses[1] == losses[2]
+    for name, want in models[0].state_dict().items():
+        for m in models[1:]:
+            np.testing.assert_array_equal(m.state_dict()[name], want, err_msg=name)
+
+
 def test_initialisation_follows_the_reference():
     m = DLRM([10, 2_000_001], 4, [3, 5, 4], [7, 1], seed=11)
     rs = np.random.RandomState(11)

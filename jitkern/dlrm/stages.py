@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
+from ..ops.gemm import backward_layer, forward_layer
 from .model_state import SplitWeight
 from .step import Buffers, StepContext
 from .tables import MDTable, QRTable
@@ -37,26 +38,34 @@ class TrainStages:
     def embedding_forward_start(self, ctx: StepContext) -> None:
         """Embedding work that can run ahead of the bottom MLP and overlap it (one process: none)."""
 
-    def _layer_forward(self, h, w, b, out, act, out_mask=None):
+    def _layer_forward(self, h, w, b, out, act, out_mask=None, own_input=True):
         """One linear layer with activation act ("relu", "sigmoid" or None) into out (a BF16Array
         out: rounded once from the fp32 epilogue); a SplitWeight w: its bf16 half on bf16 h.
-        out_mask: a ReLU's output mask, written too."""
+        out_mask: a ReLU's output mask, written too. own_input: h is the step's own array, not the
+        caller's batch: an fp32 layer then skips the op's argument checks (its operands are the
+        model's, valid by construction; the checks cost about what a small batch's layer does)."""
         if isinstance(w, SplitWeight):
             return ops.linear_forward(h, w.hi, b, activation=act, out=out)
-        y = ops.linear_forward(h, w, b, activation="relu" if act == "relu" else None, out=out, out_mask=out_mask)
+        if own_input and type(h) is np.ndarray:
+            y = forward_layer(h, w, b, out, act == "relu", out_mask)
+        else:
+            y = ops.linear_forward(h, w, b, activation="relu" if act == "relu" else None, out=out, out_mask=out_mask)
         return ops.sigmoid_forward(y, out=y) if act == "sigmoid" else y
 
-    def _layer_backward(self, dy, x, w, y, act, outs, need_dx=True, input_relu=False, x_mask=None):
+    def _layer_backward(self, dy, x, w, y, act, outs, need_dx=True, input_relu=False, x_mask=None, own_input=True):
         """(dx, dw, db) of _layer_forward; y: its output; outs: (out_dx, out_dw), the step buffers
         they are written to; input_relu: x is a ReLU's output, dx comes back masked by it (by x_mask,
-        its forward's out_mask, if given). A SplitWeight w: bf16 GEMMs, dx bf16 (what the layer
-        below and the interaction read), dw and db fp32."""
+        its forward's out_mask, if given); own_input as _layer_forward's, for x. A SplitWeight w:
+        bf16 GEMMs, dx bf16 (what the layer below and the interaction read), dw and db fp32."""
         out_dx, out_dw = outs
         if isinstance(w, SplitWeight):
             return ops.linear_backward(dy, x, w.hi, y, activation=act, need_dx=need_dx, dx_dtype="bfloat16",
                                        out_dx=out_dx, out_dw=out_dw, input_relu=input_relu)
         if act == "sigmoid":
             dy = ops.sigmoid_backward(dy, y)
+        if own_input and type(x) is np.ndarray:
+            return backward_layer(dy, x, w, y if act == "relu" else None, out_dx if need_dx else None, out_dw,
+                                  input_relu, x_mask)
         return ops.linear_backward(dy, x, w, y, activation="relu" if act == "relu" else None, need_dx=need_dx,
                                    out_dx=out_dx, out_dw=out_dw, input_relu=input_relu, x_mask=x_mask)
 
@@ -77,7 +86,8 @@ class TrainStages:
             need_dx = l > 0 or need_first_dx
             outs = ctx.buf.grads(mlp, l, (widths[l + 1], widths[l]), need_dx)
             dy, dw, db = self._layer_backward(dy, x, ws[l], outs_of[l], act, outs, need_dx=need_dx, input_relu=fuse,
-                                              x_mask=masks[l - 1] if fuse and masks else None)
+                                              x_mask=masks[l - 1] if fuse and masks else None,
+                                              own_input=l > 0 or mlp == "top")
             masked = fuse
             grads[l] = (dw, db)
             self.layer_done(ctx, mlp, (l, dw, db))
@@ -89,7 +99,8 @@ class TrainStages:
             h = self._bottom_input(ctx)
             masks = self._relu_masks(ctx, "bottom")
             for l, (w, b, out) in enumerate(zip(self.bot_w, self.bot_b, ctx.buf.bot)):
-                h = self._layer_forward(h, w, b, out, self.activation, out_mask=masks[l] if masks else None)
+                h = self._layer_forward(h, w, b, out, self.activation, out_mask=masks[l] if masks else None,
+                                        own_input=l > 0)
                 self.layer_done(ctx, "bottom", None)
             return h
 

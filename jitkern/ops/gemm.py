@@ -271,7 +271,15 @@ def linear_forward(x, w, b=None, *, activation=None, out=None, out_dtype=None, o
     y = np.empty((n, m), np.float32) if out is None else _check.output("out", out, (n, m), x, w)
     if out_mask is not None:
         out_mask = _check.output("out_mask", out_mask, (n, m), x, w, y, dtype=np.bool_)
-    return _forward(x, w, b, y, relu, FORWARD_LAYOUT.choose((n, m, k, num_threads()))["transposed"],
+    return forward_layer(x, w, b, y, relu, out_mask)
+
+
+def forward_layer(x, w, b, y, relu, out_mask=None):
+    """linear_forward into y without the argument checks, for a caller whose arrays are valid by
+    construction (a model's step buffers): float32, C-contiguous, shapes that match, y and
+    out_mask apart from the inputs. The checks cost about what a 32-row layer's call does."""
+    n, m = y.shape
+    return _forward(x, w, b, y, relu, FORWARD_LAYOUT.choose((n, m, x.shape[1], num_threads()))["transposed"],
                     out_mask)
 
 
@@ -323,15 +331,25 @@ def linear_backward(dy, x, w, y=None, *, activation=None, need_dx=True, dx_dtype
     if x_mask is not None:
         x_mask = _check.float_array("x_mask", x_mask, ndim=2, shape=x.shape, dtype=np.bool_)
     dx, dw = _grad_outputs((n, k) if need_dx else None, (m, k), out_dx, out_dw, dy, x, w, y)
+    return backward_layer(dy, x, w, y if relu else None, dx, dw, input_relu, x_mask)
+
+
+def backward_layer(dy, x, w, y, dx, dw, input_relu=False, x_mask=None):
+    """linear_backward into dx (None: not wanted) and dw without the argument checks, for a caller
+    whose arrays are valid by construction (as forward_layer's); y: the ReLU's output, or None for
+    no activation. -> (dx, dw, db)."""
+    relu = y is not None
+    n, m = dy.shape
+    k = x.shape[1]
     db = np.empty(m, np.float32)
-    if not need_dx and n * m and masked_grad_fits(k, tile_shape()[0]):
+    if dx is None and n * m and masked_grad_fits(k, tile_shape()[0]):
         return None, *masked_weight_grad(dy, x, y if relu else dy, relu, dw, db)
     g = grad_buffer(n * m).reshape(n, m) if relu and n * m else dy
     if n * m:
         relu_grad(dy, y if relu else _NO_Y, g, db, (relu, False))
     else:
         db[:] = 0.0
-    if need_dx:
+    if dx is not None:
         _run(g, w, dx, False, False, "linear_dx", mask=(x if x_mask is None else x_mask) if input_relu else None)
     return dx, _weight_grad(g, x, dw, DW_LAYOUT.choose((m, k, n, num_threads()))["transposed"]), db
 
