@@ -285,6 +285,14 @@ def test_ranks_wait_for_the_slowest_by_the_expected_maximum_of_their_spread():
     assert b.step - a.step == pytest.approx(sync_wait(3e-3, P))
     assert b.exposed - a.exposed == pytest.approx(b.step - a.step)
     assert b.compute == a.compute
+    # measured steps: the dense update is sharded, so on P ranks its own variation counts at 1/P
+    from jitkern.dlrm.calibration import step_spread
+    varied = DenseStages(calm)
+    varied.steps = np.array([5.0, 5.1, 4.9, 5.0, 5.05]) * 1e-3
+    varied.updates = np.array([1.0, 3.0, 0.0, 2.0, 4.0]) * 1e-3
+    assert varied.spread(P) == step_spread(varied.steps + varied.updates / P) < varied.spread(1) / 3
+    c = predict_plan("p", plan, cfg, batch, varied, Rates(), Network())
+    assert c.step - a.step == pytest.approx(sync_wait(varied.spread(P), P))
 
 
 def test_measured_dense_stages_are_medians_with_their_spread():
@@ -297,6 +305,8 @@ def test_measured_dense_stages_are_medians_with_their_spread():
     assert sorted(got) == [8, 16]
     for st in got.values():
         assert isinstance(st, DenseStages) and st.sd >= 0 and "top_fwd" in st
+        assert st.sd == st.spread(1) and len(st.steps) == len(st.updates) >= 3
+        assert st.spread(64) == step_spread(st.steps + st.updates / 64)
         assert not any(k.startswith("embedding") for k in st)
     # the spread is the bulk's: one step slowed by another process does not set it
     steps = [10.0, 10.2, 9.8, 10.1, 9.9, 10.0, 17.0]

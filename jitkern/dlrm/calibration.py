@@ -40,9 +40,19 @@ def _cpu_seconds(fn, reps, before=None, pick=min):
 
 
 class DenseStages(dict):
-    """Seconds per dense stage (the median over timed steps), with `sd`: the spread of the steps'
-    dense seconds (step_spread), which sets how long ranks wait for each other (costmodel.sync_wait)."""
+    """Seconds per dense stage (the median over timed steps), with the spread of the steps' dense
+    seconds (step_spread), which sets how long ranks wait for each other (costmodel.sync_wait):
+    `sd` as given, or from the timed steps (`steps`: each step's dense seconds but the dense
+    update's, `updates`: the update's) by spread(nranks)."""
     sd = 0.0
+    steps = updates = None
+
+    def spread(self, nranks: int = 1) -> float:
+        """The spread of one rank's dense seconds on nranks ranks: each updates 1/nranks of the MLPs
+        (dense_shard.py), so the update's own variation counts at that share."""
+        if self.steps is None:
+            return self.sd
+        return step_spread(self.steps + self.updates / nranks)
 
 
 def step_spread(seconds) -> float:
@@ -102,8 +112,11 @@ def measure_dense(cfg: ModelConfig, rows, reps: int = 5) -> DenseStages | dict:
                     seen[r].setdefault(k, []).append(v)
     best = {}
     for r in sizes:
-        best[r] = DenseStages((k, float(np.median(v))) for k, v in seen[r].items())
-        best[r].sd = step_spread(np.sum(list(seen[r].values()), axis=0))
+        best[r] = st = DenseStages((k, float(np.median(v))) for k, v in seen[r].items())
+        per_step = {k: np.asarray(v) for k, v in seen[r].items()}
+        st.updates = per_step.pop("dense_upd", np.zeros(steps[r]))
+        st.steps = np.sum(list(per_step.values()), axis=0)
+        st.sd = st.spread(1)
     return best if np.ndim(rows) else best[sizes[0]]
 
 

@@ -77,7 +77,8 @@ def predict_plan(label: str, plan, cfg: ModelConfig, batch: int, dense: dict, ra
     """The cost model's step on plan.nranks ranks for a global `batch`, with `dense` at the slice."""
     load = plan_load(plan, cfg.lookups, batch, rates)
     est = estimate(load, plan.kinds(), dense, 4 * mlp_params(cfg), network, len(cfg.top))
-    wait = sync_wait(getattr(dense, "sd", 0.0), plan.nranks)
+    spread = getattr(dense, "spread", None)        # DenseStages; a plain estimate has none
+    wait = sync_wait(spread(plan.nranks) if spread else 0.0, plan.nranks)
     return Prediction(label, plan.nranks, batch, est.compute, est.alltoall, est.allreduce, est.exposed + wait,
                       est.step + wait)
 
