@@ -80,8 +80,6 @@ def scratch(n, per_entry, dtype=np.int64):
     return buf
 
 
-
-
 # ----------------------------------------------------------------------------- njit row helpers
 
 
