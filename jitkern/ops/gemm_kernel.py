@@ -22,7 +22,8 @@ import logging
 import numpy as np
 from numba import prange
 
-from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, target_isa, uidx as _u
+from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, num_threads, target_isa, uidx as _u
+from ..codegen.knobs import knob, on_threads
 from ..codegen.simd import (MASK_BYTE, MASK_F32, MASK_OUT, NO_MASK, STREAM, fma_tile, store_fence, tile_code, tile_dims,
                              tile_for)
 from ..codegen.bf16 import relu_keep
@@ -30,7 +31,7 @@ from .gemm_pack import (a_panel, b_in_place, pack_a_block, pack_b_columns, pack_
                         prefetch_rows, task_floats, task_parts)
 from .gemm_passes import relu_mask_into
 from .gemv_kernel import gemv_into, outer_into
-from .workspace import thread_buffer
+from .workspace import empty_aligned, thread_buffer
 
 log = logging.getLogger("jitkern")
 
@@ -265,17 +266,71 @@ _DUMMY = np.zeros(1, np.float32)
 NO_BYTES = np.zeros(1, np.uint8)  # the tile's byte mask operand where no byte mask is used
 
 
-# C is stored non-temporally when each element takes at most this many FMAs (a write-bound GEMM:
-# a layer on the 13 dense features, a small batch's weight gradient) and C does not fit in L2:
-# its lines would be read from memory only to be overwritten, and evicted before anyone reads them
+# C may be stored non-temporally when each element takes at most this many FMAs (a write-bound
+# GEMM: a layer on the 13 dense features, a small batch's weight gradient) and C does not fit in
+# L2: its lines would be read from memory only to be overwritten. Whether that pays is the
+# gemm.stream knob's choice, per CPU
 STREAM_MAX_K = 32
 
 
+def _stream_heuristic(problem) -> dict:
+    """Stream where one vector store writes a whole cache line (AVX-512): on Zen 4 a write-bound C
+    gained from it. A 32-byte store writes half a line, and on Zen 3 (AVX2) streaming made a K=13
+    layer 1.6-1.9x slower (in the DLRM step 1.5 ms against 0.93) and a 32-row weight gradient 1.4-1.5x."""
+    return {"max_k": STREAM_MAX_K if host_target().vector_width * 4 >= 64 else 0}
+
+
+def _stream_problems(w):
+    """The write-bound (m, n, k, threads) GEMMs of a workload's fp32 layers whose C is beyond L2: a
+    forward on at most STREAM_MAX_K inputs, a weight gradient of a batch of at most STREAM_MAX_K rows."""
+    if "fp32" not in w.precisions:
+        return
+    big = lambda m, n: 4 * m * n > host_target().l2
+    for batch, kin, kout in w.linears:
+        for threads in w.threads:
+            if kin <= STREAM_MAX_K and big(batch, kout):
+                yield batch, kout, kin, threads
+            if batch <= STREAM_MAX_K and big(kout, kin):
+                yield kout, kin, batch, threads
+
+
+def _stream_runner(problem, params):
+    """A (m, n, k) GEMM into a fresh C per call (a rotation of Cs twice the last-level cache in all,
+    as a training step's outputs are), streamed if k <= params["max_k"]."""
+    from .gemm import heuristic_blocks, shape_blocks  # (gemm imports this module)
+    m, n, k, threads = problem
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+    cs = [empty_aligned((m, n)) for _ in range(max(2, -(-2 * host_target().l3 // max(4 * m * n, 1))))]
+    for c in cs:
+        c.fill(0.0)  # pages faulted in before the timing
+    blocks = shape_blocks(heuristic_blocks("gemm", m, n, k, threads), m, n, k, threads)
+    stream, turn = k <= params["max_k"], [0]
+
+    def call():
+        i = turn[0]
+        turn[0] = (i + 1) % len(cs)
+        gemm_into(a, b, cs[i], False, False, blocks, stream=stream)
+    return on_threads(threads, call)
+
+
+STREAMING = knob("gemm.stream", doc="the largest K at which a write-bound GEMM stores C non-temporally (0: never)",
+                 heuristic=_stream_heuristic, shape_class=lambda p: f"t{p[3]}", problems=_stream_problems,
+                 candidates=lambda p, quick: [{"max_k": 0}, {"max_k": STREAM_MAX_K}], runner=_stream_runner)
+
+
+def _streamable(c, beta, isa):
+    """Whether the driver can store C non-temporally: written whole (beta 0, a vector ISA), beyond
+    L2, its tile rows aligned to whole cache lines."""
+    return (beta == 0.0 and isa in ("avx2", "avx512") and c.nbytes > host_target().l2 and c.shape[1] % 16 == 0
+            and c.ctypes.data % 64 == 0)
+
+
 def _streams(c, k, beta, isa):
-    """Whether the driver stores C non-temporally: write-bound, C written whole (beta 0, a vector
-    ISA), and its tile rows aligned to whole cache lines."""
-    return (beta == 0.0 and k <= STREAM_MAX_K and isa in ("avx2", "avx512") and c.nbytes > host_target().l2
-            and c.shape[1] % 16 == 0 and c.ctypes.data % 64 == 0)
+    """Whether the driver stores C non-temporally: write-bound (k <= STREAM_MAX_K), streamable,
+    and the gemm.stream knob's choice for it."""
+    return (k <= STREAM_MAX_K and _streamable(c, beta, isa)
+            and k <= STREAMING.choose((c.shape[0], c.shape[1], k, num_threads()))["max_k"])
 
 
 def _mask_args(mask, mask_out):
@@ -289,13 +344,15 @@ def _mask_args(mask, mask_out):
     return _DUMMY, mask.reshape(-1).view(np.uint8), MASK_BYTE
 
 
-def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=False, mask=None, mask_out=None):
+def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=False, mask=None, mask_out=None,
+              stream=None):
     """Run the driver with blocks = (mc, kc, nc) on validated, C-contiguous float32 arrays; c is
     written and returned. mask: an array of c's shape, float32 (c is kept where mask > 0: the
     backward of a ReLU whose output is mask) or bytes (bool or uint8: kept where nonzero), else c
     is +0.0 there, in the epilogue. mask_out: a C-contiguous bool or uint8 array of c's shape,
     written with c > 0 (the byte mask of this ReLU's output; not with mask). A C of one row or
-    column goes to the matrix-vector kernels instead."""
+    column goes to the matrix-vector kernels instead. stream: whether full tiles store C
+    non-temporally (None: _streams decides; True applies only where _streams's shape conditions hold)."""
     m, n = c.shape
     if m == 0 or n == 0:
         return c
@@ -312,7 +369,7 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     mc, kc, nc = blocks
     mr, nr, _ = tile_for(isa)
     mf, mb, mode = _mask_args(mask, mask_out)
-    if _streams(c, k, beta, isa):
+    if _streams(c, k, beta, isa) if stream is None else (stream and _streamable(c, beta, isa)):
         mode |= STREAM
     npan = -(-n // nr)  # B's panels, the padded bias, then the tasks' regions
     need = npan * (k * nr + 16) + npan * nr + 16 + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, mr, nr)
