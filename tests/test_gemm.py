@@ -570,17 +570,17 @@ def test_stream_knob_poses_the_write_bound_gemms_and_times_both_choices():
     # of <= STREAM_MAX_K rows, as (m, n, k, threads) with C (m, n); the heuristic is a candidate
     # and the runner runs each (the bits are the same either way: the test below)
     from jitkern.codegen.knobs import Workload
-    GK = importlib.import_module("jitkern.ops.gemm_kernel")
+    GM = importlib.import_module("jitkern.ops.gemm")
     l2 = host_target().l2
     wide = 2 * l2 // (4 * 1024)  # the weight gradient (wide x 1024) of a 32-row batch is beyond L2
     w = Workload(linears=((2048, 13, 512), (32, 1024, wide), (2048, 512, 256), (32, 13, 16)), threads=(1, 2))
-    assert list(GK.STREAMING.problems(w)) == [(2048, 512, 13, 1), (2048, 512, 13, 2), (wide, 1024, 32, 1),
+    assert list(GM.STREAMING.problems(w)) == [(2048, 512, 13, 1), (2048, 512, 13, 2), (wide, 1024, 32, 1),
                                               (wide, 1024, 32, 2)]
-    assert list(GK.STREAMING.problems(Workload(linears=((2048, 13, 512),), precisions=("bf16",)))) == []
+    assert list(GM.STREAMING.problems(Workload(linears=((2048, 13, 512),), precisions=("bf16",)))) == []
     problem = (host_target().l2 // (4 * 64) + 64, 64, 13, 1)  # C beyond L2
-    assert GK.STREAMING.heuristic(problem) in GK.STREAMING.candidates(problem, True)
-    for params in GK.STREAMING.candidates(problem, False):
-        GK.STREAMING.runner(problem, params)()
+    assert GM.STREAMING.heuristic(problem) in GM.STREAMING.candidates(problem, True)
+    for params in GM.STREAMING.candidates(problem, False):
+        GM.STREAMING.runner(problem, params)()
 
 
 def test_write_bound_gemm_streams_c_with_the_same_bits(monkeypatch):
@@ -589,7 +589,7 @@ def test_write_bound_gemm_streams_c_with_the_same_bits(monkeypatch):
     # count, with the same bits as cached stores
     from jitkern.codegen import target_isa
     from jitkern.ops.workspace import empty_aligned
-    GK = importlib.import_module("jitkern.ops.gemm_kernel")
+    GK, GM = importlib.import_module("jitkern.ops.gemm_kernel"), importlib.import_module("jitkern.ops.gemm")
     rng = np.random.default_rng(3)
     n, k = 1024, 13
     m = (host_target().l2 // (4 * n) + 64) // 64 * 64 + 16  # C beyond L2; a half panel at the edge
@@ -597,7 +597,7 @@ def test_write_bound_gemm_streams_c_with_the_same_bits(monkeypatch):
     want = np.maximum(x.astype(np.float64) @ w.T + b, 0)
     got = {}
     for limit in (GK.STREAM_MAX_K, 0):
-        monkeypatch.setattr(GK.STREAMING, "choose", lambda problem, limit=limit: {"max_k": limit})
+        monkeypatch.setattr(GM.STREAMING, "choose", lambda problem, limit=limit: {"max_k": limit})
         for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
             y, mask = empty_aligned((n, m)), np.empty((n, m), np.bool_)
             assert GK._streams(y, k, 0.0, target_isa()) == (limit > 0 and target_isa() in ("avx2", "avx512"))

@@ -20,10 +20,10 @@ from . import _check, gemm_bf16
 from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, forward_transposed, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
-from .gemm_kernel import gemm_into, write_mask
+from .gemm_kernel import STREAM_KNOB, STREAM_MAX_K, gemm_into, stream_heuristic, write_mask
 from .gemm_pack import b_in_place
 from .gemm_passes import relu_grad, transpose_into
-from .workspace import grad_buffer, transposed_buffer
+from .workspace import empty_aligned, grad_buffer, transposed_buffer
 from .weight_grad import masked_grad_fits, masked_weight_grad
 
 
@@ -184,6 +184,44 @@ FORWARD_LAYOUT = knob("gemm.layout.linear_forward", doc="linear_forward as y = x
                       problems=_fp32_layers(lambda batch, kin, kout: (batch, kout, kin)),
                       candidates=lambda p, quick: [{"transposed": False}, {"transposed": True}] if p[0] > 1 else
                       [{"transposed": False}], runner=_layout_runner)
+
+
+def _stream_problems(w):
+    """The write-bound (m, n, k, threads) GEMMs of a workload's fp32 layers whose C is beyond L2: a
+    forward on at most STREAM_MAX_K inputs, a weight gradient of a batch of at most STREAM_MAX_K rows."""
+    if "fp32" not in w.precisions:
+        return
+    big = lambda m, n: 4 * m * n > host_target().l2
+    for batch, kin, kout in w.linears:
+        for threads in w.threads:
+            if kin <= STREAM_MAX_K and big(batch, kout):
+                yield batch, kout, kin, threads
+            if batch <= STREAM_MAX_K and big(kout, kin):
+                yield kout, kin, batch, threads
+
+
+def _stream_runner(problem, params):
+    """A (m, n, k) GEMM into a fresh C per call (a rotation of Cs twice the last-level cache in all,
+    as a training step's outputs are), streamed if k <= params["max_k"]."""
+    m, n, k, threads = problem
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+    cs = [empty_aligned((m, n)) for _ in range(max(2, -(-2 * host_target().l3 // max(4 * m * n, 1))))]
+    for c in cs:
+        c.fill(0.0)  # pages faulted in before the timing
+    blocks = shape_blocks(heuristic_blocks("gemm", m, n, k, threads), m, n, k, threads)
+    stream, turn = k <= params["max_k"], [0]
+
+    def call():
+        i = turn[0]
+        turn[0] = (i + 1) % len(cs)
+        gemm_into(a, b, cs[i], False, False, blocks, stream=stream)
+    return on_threads(threads, call)
+
+
+STREAMING = knob(STREAM_KNOB, doc="the largest K at which a write-bound GEMM stores C non-temporally (0: never)",
+                 heuristic=stream_heuristic, shape_class=lambda p: f"t{p[3]}", problems=_stream_problems,
+                 candidates=lambda p, quick: [{"max_k": 0}, {"max_k": STREAM_MAX_K}], runner=_stream_runner)
 
 
 def _run(a, b, c, ta, tb, op, **kw):

@@ -23,7 +23,7 @@ import numpy as np
 from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, num_threads, target_isa, uidx as _u
-from ..codegen.knobs import knob, on_threads
+from ..codegen import knobs
 from ..codegen.simd import (MASK_BYTE, MASK_F32, MASK_OUT, NO_MASK, STREAM, fma_tile, store_fence, tile_code, tile_dims,
                              tile_for)
 from ..codegen.bf16 import relu_keep
@@ -31,7 +31,7 @@ from .gemm_pack import (a_panel, b_in_place, pack_a_block, pack_b_columns, pack_
                         prefetch_rows, task_floats, task_parts)
 from .gemm_passes import relu_mask_into
 from .gemv_kernel import gemv_into, outer_into
-from .workspace import empty_aligned, thread_buffer
+from .workspace import thread_buffer
 
 log = logging.getLogger("jitkern")
 
@@ -269,54 +269,16 @@ NO_BYTES = np.zeros(1, np.uint8)  # the tile's byte mask operand where no byte m
 # C may be stored non-temporally when each element takes at most this many FMAs (a write-bound
 # GEMM: a layer on the 13 dense features, a small batch's weight gradient) and C does not fit in
 # L2: its lines would be read from memory only to be overwritten. Whether that pays is the
-# gemm.stream knob's choice, per CPU
+# gemm.stream knob's choice, per CPU (declared in ops.gemm, with its tuning runner)
 STREAM_MAX_K = 32
+STREAM_KNOB = "gemm.stream"
 
 
-def _stream_heuristic(problem) -> dict:
+def stream_heuristic(problem) -> dict:
     """Stream where one vector store writes a whole cache line (AVX-512): on Zen 4 a write-bound C
     gained from it. A 32-byte store writes half a line, and on Zen 3 (AVX2) streaming made a K=13
-    layer 1.6-1.9x slower (in the DLRM step 1.5 ms against 0.93) and a 32-row weight gradient 1.4-1.5x."""
+    layer 1.3-2x slower (1.6x in the DLRM step) and a 32-row weight gradient 1.3-1.5x."""
     return {"max_k": STREAM_MAX_K if host_target().vector_width * 4 >= 64 else 0}
-
-
-def _stream_problems(w):
-    """The write-bound (m, n, k, threads) GEMMs of a workload's fp32 layers whose C is beyond L2: a
-    forward on at most STREAM_MAX_K inputs, a weight gradient of a batch of at most STREAM_MAX_K rows."""
-    if "fp32" not in w.precisions:
-        return
-    big = lambda m, n: 4 * m * n > host_target().l2
-    for batch, kin, kout in w.linears:
-        for threads in w.threads:
-            if kin <= STREAM_MAX_K and big(batch, kout):
-                yield batch, kout, kin, threads
-            if batch <= STREAM_MAX_K and big(kout, kin):
-                yield kout, kin, batch, threads
-
-
-def _stream_runner(problem, params):
-    """A (m, n, k) GEMM into a fresh C per call (a rotation of Cs twice the last-level cache in all,
-    as a training step's outputs are), streamed if k <= params["max_k"]."""
-    from .gemm import heuristic_blocks, shape_blocks  # (gemm imports this module)
-    m, n, k, threads = problem
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
-    cs = [empty_aligned((m, n)) for _ in range(max(2, -(-2 * host_target().l3 // max(4 * m * n, 1))))]
-    for c in cs:
-        c.fill(0.0)  # pages faulted in before the timing
-    blocks = shape_blocks(heuristic_blocks("gemm", m, n, k, threads), m, n, k, threads)
-    stream, turn = k <= params["max_k"], [0]
-
-    def call():
-        i = turn[0]
-        turn[0] = (i + 1) % len(cs)
-        gemm_into(a, b, cs[i], False, False, blocks, stream=stream)
-    return on_threads(threads, call)
-
-
-STREAMING = knob("gemm.stream", doc="the largest K at which a write-bound GEMM stores C non-temporally (0: never)",
-                 heuristic=_stream_heuristic, shape_class=lambda p: f"t{p[3]}", problems=_stream_problems,
-                 candidates=lambda p, quick: [{"max_k": 0}, {"max_k": STREAM_MAX_K}], runner=_stream_runner)
 
 
 def _streamable(c, beta, isa):
@@ -330,7 +292,7 @@ def _streams(c, k, beta, isa):
     """Whether the driver stores C non-temporally: write-bound (k <= STREAM_MAX_K), streamable,
     and the gemm.stream knob's choice for it."""
     return (k <= STREAM_MAX_K and _streamable(c, beta, isa)
-            and k <= STREAMING.choose((c.shape[0], c.shape[1], k, num_threads()))["max_k"])
+            and k <= knobs.get(STREAM_KNOB).choose((c.shape[0], c.shape[1], k, num_threads()))["max_k"])
 
 
 def _mask_args(mask, mask_out):
