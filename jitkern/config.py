@@ -6,8 +6,9 @@ JITKERN_TUNE_DB        path of the tuning DB file (default: <cache dir>/tune.jso
 JITKERN_NO_DISK_CACHE  1 disables numba's on-disk kernel cache
 JITKERN_ISA            generate code for a lower ISA than the host's: auto (default), avx512, avx2,
                        neon, scalar. Read once per process for numba's own loops (see codegen.target)
-JITKERN_CACHE_SIZES    stand in for another CPU's caches: a preset (zen3, zen4, skylake, skylake-sp)
-                       or sizes such as "l1d=32K,l2=512K,l3=32M" (missing levels keep the host's)
+JITKERN_CACHE_SIZES    stand in for another CPU's caches: a preset (zen3, zen4, skylake, skylake-sp),
+                       which brings that CPU's L2 prefetcher model too, or sizes such as
+                       "l1d=32K,l2=512K,l3=32M" (missing levels keep the host's)
 JITKERN_NO_TUNE        1 ignores the tuning DB (heuristic choices only)
 JITKERN_RANKS_PER_NODE ranks per node for sharding plans (default: MPI's shared-memory split)
 """
@@ -27,6 +28,8 @@ CACHE_PRESETS = {
     "skylake": (32 << 10, 256 << 10, 8 << 20),          # client Skylake (AVX2)
     "skylake-sp": (32 << 10, 1 << 20, 22 << 20),        # Skylake-SP / Cascade Lake (AVX-512)
 }
+# and the 4 KiB-page streams their L2 prefetchers follow at once (codegen.target.Target.page_streams)
+PRESET_PAGE_STREAMS = {"zen3": 0, "zen4": 0, "skylake": 32, "skylake-sp": 32}
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Config:
     disk_cache: bool
     isa: str
     cache_sizes: tuple | None   # (l1d, l2, l3) override, None where a level keeps the host's
+    page_streams: int | None    # a preset CPU's Target.page_streams, None: the host's
     use_tuning: bool
     ranks_per_node: int         # 0: from MPI
 
@@ -137,6 +141,7 @@ def _config_for(_env_values: tuple) -> Config:
         disk_cache=not _flag("JITKERN_NO_DISK_CACHE"),
         isa=isa,
         cache_sizes=parse_cache_sizes(os.environ.get("JITKERN_CACHE_SIZES")),
+        page_streams=PRESET_PAGE_STREAMS.get((os.environ.get("JITKERN_CACHE_SIZES") or "").strip().lower()),
         use_tuning=not _flag("JITKERN_NO_TUNE"),
         ranks_per_node=int(rpn),
     )

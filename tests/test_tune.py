@@ -8,7 +8,8 @@ import pytest
 
 from jitkern import info, tuning
 from jitkern.codegen import host_target, knobs, tune, tunedb
-from jitkern.config import CACHE_PRESETS, parse_cache_sizes
+from jitkern.codegen.target import detected_target, page_streams_of
+from jitkern.config import CACHE_PRESETS, PRESET_PAGE_STREAMS, parse_cache_sizes
 from jitkern.ops import linear_backward, linear_forward
 from jitkern.ops import reference as ref
 
@@ -124,9 +125,11 @@ def test_heuristic_and_thread_shaping(caches):
                                            ("linear_dw", 64, 256, 2048), ("linear_dx", 32, 479, 1024),
                                            ("linear_dw", 512, 13, 2048)])
 def test_heuristic_strided_streams(caches, variant, m, n, k):
-    """The heuristic keeps strided rows within the prefetchers' reach: a column panel's strip of C
-    rows spans at most max(kc/2, PAGE_STREAMS) pages of 4 KiB (and a short K's strip no fewer)
-    unless it is one register tile high or the whole of C sits in half of L2; B read in place by
+    """The heuristic keeps strided rows within the prefetchers' reach: where they follow a limited
+    number of pages (page_streams, Intel's), a column panel's strip of C rows spans at most
+    max(kc/2, page_streams) pages of 4 KiB (and a short K's strip no fewer) unless it is one
+    register tile high or the whole of C sits in half of L2; without the limit (AMD's) the strip
+    is as tall as a quarter of L2 holds of the A block's rows; B read in place by
     more than two row tiles gives K passes of at most the rows of L2 (or 64), even where one pass
     would do, by one or two a long K loop all the same; A's columns read in place (a C of one
     column panel) at most the rows of L2; a block is never taller than C."""
@@ -136,10 +139,12 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
     assert mc % mr == 0 and mr <= mc <= G._round_to(m, mr) and kc % 4 == 0
     rows_per_page = max(1, 4096 // (n * 4))
     whole_c = mc == G._round_to(m, mr) and m * n * 4 <= caches.l2 // 2
-    if not whole_c and mc > mr:
-        assert -(-mc // rows_per_page) <= max(1, kc // 2, G.PAGE_STREAMS)
-    if mc < G._round_to(m, mr) and kc < 2 * G.PAGE_STREAMS:  # a short K loop: still a strip of PAGE_STREAMS
-        assert mc >= min(G.PAGE_STREAMS * rows_per_page - mr, (caches.l2 // 4) // (128 * 4) - mr, 512 // mr * mr)
+    streams = caches.page_streams
+    l2_rows = (caches.l2 // 4) // (max(kc, 128) * 4)  # the A block's rows in a quarter of L2
+    if not whole_c and mc > mr and streams:
+        assert -(-mc // rows_per_page) <= max(1, kc // 2, streams)
+    if mc < G._round_to(m, mr) and kc < 2 * max(streams, 32):  # a short K loop: still a strip of page_streams
+        assert mc >= min((streams * rows_per_page if streams else l2_rows) - mr, l2_rows - mr, 512 // mr * mr)
     tb = variant.startswith("linear_forward")
     b_in_place = G.b_in_place(tb, m, n, mr, G.tile_shape()[1])
     if b_in_place and k > 64 and m > 2 * mr:
@@ -148,6 +153,21 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
         assert kc >= 256
     if variant in ("linear_dw", "linear_dwt") and n <= G.tile_shape()[1] and k > 64:  # A's columns in place
         assert kc <= max(64, caches.l2 // (m * 4))  # their kc rows fit L2 even in the fewest sets
+
+
+def test_page_streams_follow_the_cpu(monkeypatch):
+    """The prefetcher model comes with the CPU: detected from its name, or from a preset stand-in;
+    it decides how tall a short K loop's C strip is (a 32-row batch's weight gradient)."""
+    assert page_streams_of("znver3") == page_streams_of("znver4") == 0
+    assert page_streams_of("skylake-avx512") == page_streams_of("haswell") == page_streams_of("neoverse-n1") == 32
+    strips = {}
+    for preset in ("zen3", "skylake-sp"):
+        monkeypatch.setenv("JITKERN_CACHE_SIZES", preset)
+        assert host_target().page_streams == PRESET_PAGE_STREAMS[preset]
+        strips[preset] = G.heuristic_blocks("linear_dw", 1024, 1024, 32)["mc"]
+    assert strips["skylake-sp"] <= 32 < strips["zen3"]  # 4 KiB C rows: a row a page
+    monkeypatch.setenv("JITKERN_CACHE_SIZES", "l2=512K")  # sizes alone keep the host's prefetcher
+    assert host_target().page_streams == detected_target().page_streams
 
 
 def test_a_small_c_takes_one_k_pass(caches):

@@ -52,9 +52,9 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     mc: the mc x kc A block (packed, or rows read in place) in a quarter of L2, which it shares
     with the B micro-panels and C: it is reused over every column panel of its C block. A sweep
     over one column panel stores a strip of mc C rows, each a stream the prefetchers must pick up
-    within a tile's K loop: the strip spans at most kc/2 pages, so a short K loop gets a short
-    strip, but never fewer than PAGE_STREAMS pages (a K of 13 ran 8-19% slower on strips of a
-    few rows, and no faster from DRAM). One block takes all rows where they fit in 3/4 of L2 and
+    within a tile's K loop: where they follow a limited number of pages (Target.page_streams),
+    the strip spans at most kc/2 pages, so a short K loop gets a short strip, but never fewer
+    than that number (a K of 13 ran 8-19% slower on strips of a few rows). One block takes all rows where they fit in 3/4 of L2 and
     all of C in half of L2 (B's panels then pass through once per K pass, not once per row block),
     or where A is read transposed in place (linear_dw/dwt with n <= NR): there is no A block to
     keep, and all of B's one panel streams through once per C block.
@@ -81,12 +81,13 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     kc = _round_to(-(-k // passes), 4)
     if one_block(kc) or one_panel_dw:
         return {"mc": whole, "kc": kc}
-    mc = min((t.l2 // 4) // (max(kc, 128) * 4), _rows_in_pages(max(kc // 2, PAGE_STREAMS), n * 4))
+    mc = (t.l2 // 4) // (max(kc, 128) * 4)
+    if t.page_streams:
+        mc = min(mc, _rows_in_pages(max(kc // 2, t.page_streams), n * 4))
     return {"mc": max(mr, min(mc // mr * mr, 512 // mr * mr, whole)), "kc": kc}
 
 
 PAGE = 4096         # bytes of a page, the span of the hardware prefetchers' streams
-PAGE_STREAMS = 32   # strided rows a tile reads at once: within the prefetchers' reach of 4 KiB pages
 
 
 def _rows_in_pages(pages: int, row_bytes: int) -> int:
