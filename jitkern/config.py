@@ -131,6 +131,7 @@ def _config_for(_env_values: tuple) -> Config:
     isa = (os.environ.get("JITKERN_ISA") or "auto").strip().lower()
     if isa not in ISA_CHOICES:
         raise ValueError(f"JITKERN_ISA must be one of {ISA_CHOICES}, got {isa!r}")
+    caches = os.environ.get("JITKERN_CACHE_SIZES")
     rpn = (os.environ.get("JITKERN_RANKS_PER_NODE") or "0").strip()
     if not rpn.isdigit():
         raise ValueError(f"JITKERN_RANKS_PER_NODE must be a positive integer, got {rpn!r}")
@@ -140,8 +141,8 @@ def _config_for(_env_values: tuple) -> Config:
         tune_db=tune_db,
         disk_cache=not _flag("JITKERN_NO_DISK_CACHE"),
         isa=isa,
-        cache_sizes=parse_cache_sizes(os.environ.get("JITKERN_CACHE_SIZES")),
-        page_streams=PRESET_PAGE_STREAMS.get((os.environ.get("JITKERN_CACHE_SIZES") or "").strip().lower()),
+        cache_sizes=parse_cache_sizes(caches),
+        page_streams=PRESET_PAGE_STREAMS.get((caches or "").strip().lower()),
         use_tuning=not _flag("JITKERN_NO_TUNE"),
         ranks_per_node=int(rpn),
     )

@@ -54,8 +54,9 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     over one column panel stores a strip of mc C rows, each a stream the prefetchers must pick up
     within a tile's K loop: where they follow a limited number of pages (Target.page_streams),
     the strip spans at most kc/2 pages, so a short K loop gets a short strip, but never fewer
-    than that number (a K of 13 ran 8-19% slower on strips of a few rows). One block takes all rows where they fit in 3/4 of L2 and
-    all of C in half of L2 (B's panels then pass through once per K pass, not once per row block),
+    than that number (a K of 13 ran 8-19% slower on strips of a few rows); elsewhere it is as
+    tall as the A block. One block takes all rows where they fit in 3/4 of L2 and all of C in
+    half of L2 (B's panels then pass through once per K pass, not once per row block),
     or where A is read transposed in place (linear_dw/dwt with n <= NR): there is no A block to
     keep, and all of B's one panel streams through once per C block.
 
