@@ -565,6 +565,23 @@ def test_empty_aligned_gives_plain_line_aligned_arrays(huge_from):
         assert (a == 7).all()
 
 
+def test_staggered_blocks_are_contiguous_blocks_on_distinct_cache_sets():
+    from jitkern.ops.workspace import staggered_blocks
+    for count, shape, dtype in ((26, (2048, 128), np.float32), (3, (5, 7), np.uint16), (0, (4, 4), np.float32),
+                                (2, (0, 16), np.float32), (4, (3, 1024), np.float32)):
+        a = staggered_blocks(count, shape, dtype)
+        assert a.shape == (count, *shape) and a.dtype == dtype and a.flags.writeable
+        assert all(a[k].flags.c_contiguous for k in range(count))
+        a[...] = np.arange(a.size, dtype=np.int64).reshape(a.shape).astype(dtype)  # blocks do not overlap
+        assert (a.reshape(-1) == np.arange(a.size).astype(dtype)).all()
+    a = staggered_blocks(26, (2048, 128))
+    # row b of every block: 26 distinct offsets in L1's and L2's set periods (4 KiB, 64 KiB), each
+    # at least a row apart, so their lines fall in distinct sets
+    offsets = sorted(a[k, 5].ctypes.data % 65536 for k in range(26))
+    assert min(np.diff(offsets)) >= 512
+    assert len({a[k, 5].ctypes.data % 4096 // 64 for k in range(26)}) == 26
+
+
 def test_stream_knob_poses_the_write_bound_gemms_and_times_both_choices():
     # the knob's problems are a workload's forwards on <= STREAM_MAX_K inputs and weight gradients
     # of <= STREAM_MAX_K rows, as (m, n, k, threads) with C (m, n); the heuristic is a candidate

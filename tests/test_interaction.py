@@ -258,6 +258,10 @@ def test_knob_heuristics_are_the_fixed_choices(monkeypatch):
     assert K.PARALLEL.choose((300, 27, 16, 2)) == {"min_per_thread": 32}
     assert {"lanes": 16} in K.LANES.candidates((300, 27, 16), False)
     assert {"lanes": vw} in K.LANES.candidates((300, 27, 16), False)
+    # pairs where a row is 4 vectors or more
+    assert K.FORWARD.choose((300, 27, 16)) == {"scheme": "transpose"}
+    assert K.FORWARD.choose((300, 27, 128)) == {"scheme": "pairs" if vw > 1 and 128 >= 4 * vw else "transpose"}
+    assert {"scheme": "transpose"} in K.FORWARD.candidates((300, 27, 128), False)
 
 
 @pytest.mark.parametrize("T, D", [(5, 13), (6, 32)])
@@ -272,6 +276,7 @@ def test_every_lane_width_matches_the_reference_and_tuned_lanes_are_used(db, mon
     x, ly = _inputs(rng, 67, T, D)
     dz = rng.standard_normal((67, D + K.num_pairs(T + 1))).astype(np.float32)
     first = None
+    tunedb.store("interaction.forward", K.FORWARD.shape_class((67, T + 1, D)), {"scheme": "transpose"})
     for w in (16, 8, 4, 1):
         tunedb.store("interaction.lanes", K.LANES.shape_class((67, T + 1, D)), {"lanes": w})
         specs.clear()
@@ -282,6 +287,34 @@ def test_every_lane_width_matches_the_reference_and_tuned_lanes_are_used(db, mon
         for a, b in zip(got, first or got):
             np.testing.assert_array_equal(a, b)
         first = first or got
+
+
+@given(B=st.integers(1, 30), T=st.integers(0, 30), D=st.integers(1, 140), self_interaction=st.booleans(),
+       slices=st.integers(1, 4), bf16=st.booleans(), seed=st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+def test_pairs_forward_matches_the_reference_on_any_batch_split(B, T, D, self_interaction, slices, bf16, seed):
+    """The pairs scheme, whatever the knob would choose here: every D (whole vectors or not, the
+    diagonal or not), bf16 inputs; batch slices run last to first, so a slice that wrote past its
+    last sample's pairs would spoil the next slice's first row; z's next row is a sentinel."""
+    from jitkern.ops import BF16Array
+    rng = np.random.default_rng(seed)
+    x, ly = _inputs(rng, B, T, D)
+    if bf16:
+        x, ly = BF16Array.from_float32(x), BF16Array.from_float32(ly)
+    xx, keep, addrs, stride, _ = K._features(x, ly)
+    if bf16:
+        x, ly = x.to_float32(), ly.to_float32()
+    off = int(self_interaction)
+    full = np.full((B + 1, D + K.num_pairs(T + 1, self_interaction)), 7.0, np.float32)
+    kernel = K.get_kernel(K._pairs_spec(T + 1))
+    cuts = [B * k // min(slices, B) for k in range(min(slices, B) + 1)]
+    for b0, b1 in reversed(list(zip(cuts, cuts[1:]))):
+        kernel(b0, b1, xx, addrs, stride, off, full[:B])
+    assert np.all(full[B] == 7.0)
+    ref = R.interaction_dot_forward(x, ly, self_interaction=self_interaction)
+    bound = R.interaction_dot_forward(np.abs(x), np.abs(ly), self_interaction=self_interaction)
+    np.testing.assert_array_equal(full[:B, :D], x)
+    assert np.all(np.abs(full[:B] - ref) <= (D + 2) * EPS * bound + 1e-30)
 
 
 def test_tuned_per_thread_minimum_sets_the_split(db, monkeypatch):
@@ -306,14 +339,16 @@ def test_tuned_per_thread_minimum_sets_the_split(db, monkeypatch):
 def test_tuner_stores_interaction_entries(db):
     import numba
     from jitkern.codegen import knobs, tune, tunedb
+    tune_knob = knobs.get
     threads = (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,)
     results = tune.tune(knobs.Workload(interactions=((256, 27, 16),), threads=threads), quick=True,
                         select="interaction.*", min_time=0, out=None)
-    assert {r.knob for r in results} == {"interaction.lanes", "interaction.parallel"}
+    assert {r.knob for r in results} == {"interaction.lanes", "interaction.forward", "interaction.parallel"}
     stored = tunedb.entries()
-    assert stored["interaction.lanes"] and len(stored["interaction.parallel"]) == len(threads)
+    assert stored["interaction.lanes"] and stored["interaction.forward"]
+    assert len(stored["interaction.parallel"]) == len(threads)
     for r in results:
         if r.knob == "interaction.parallel":
             assert r.best["min_per_thread"] in (*K._PER_THREAD, 2 * K._PER_THREAD[-1])
         else:
-            assert r.best in K.LANES.candidates(r.problem, True)
+            assert r.best in tune_knob(r.knob).candidates(r.problem, True)

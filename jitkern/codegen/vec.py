@@ -16,8 +16,8 @@ from numba.extending import intrinsic, models, overload, register_model
 
 from .simd_bf16 import emit_round, emit_widen, round_bf16
 
-__all__ = ["addr_of", "f32_ptr", "f64_from_bits", "ptr_like", "put", "vadd", "vfma", "vget", "vget_addr", "vlen", "vload", "vload_addr",
-           "vput", "vsplat", "vstore", "vtranspose16", "vzero"]
+__all__ = ["addr_of", "f32_ptr", "f64_from_bits", "ptr_like", "put", "vadd", "vfma", "vget", "vget_addr", "vhsum4", "vlen", "vload",
+           "vload_addr", "vput", "vsplat", "vstore", "vtranspose16", "vzero"]
 
 
 class _F32Vec(types.Type):
@@ -132,6 +132,36 @@ def vadd(typingctx, a, b):
     def codegen(context, builder, sig, args):
         return builder.fadd(*args)
     return a(a, b), codegen
+
+
+@intrinsic
+def vhsum4(typingctx, a, b, c, d):
+    """The 4-lane vector [sum(a), sum(b), sum(c), sum(d)] of four vectors' lane sums: halves added
+    until 4 lanes remain, then two rounds of pairwise sums (x86: vextract/vadd, then vhaddps)."""
+    if not (isinstance(a, _F32Vec) and a == b == c == d) or a.n & (a.n - 1):
+        return None  # power-of-two widths
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+
+        def shuffle(u, v, lanes):
+            return builder.shuffle_vector(u, v, ir.Constant(ir.VectorType(i32, len(lanes)), lanes))
+
+        def pair_sums(u, v):  # [u0 + u1, u2 + u3, v0 + v1, v2 + v3] of two 4-lane vectors
+            return builder.fadd(shuffle(u, v, [0, 2, 4, 6]), shuffle(u, v, [1, 3, 5, 7]))
+        vs, m = list(args), a.n
+        if m == 1:
+            r = ir.Constant(ir.VectorType(ir.FloatType(), 4), ir.Undefined)
+            for k, v in enumerate(vs):
+                r = builder.insert_element(r, builder.extract_element(v, ir.Constant(i32, 0)), ir.Constant(i32, k))
+            return r
+        while m > 4:
+            m //= 2
+            vs = [builder.fadd(shuffle(v, v, list(range(m))), shuffle(v, v, list(range(m, 2 * m)))) for v in vs]
+        if m == 2:  # [a0, a1, b0, b1] and [c0, c1, d0, d1]: one round of pair sums
+            return pair_sums(shuffle(vs[0], vs[1], [0, 1, 2, 3]), shuffle(vs[2], vs[3], [0, 1, 2, 3]))
+        return pair_sums(pair_sums(vs[0], vs[1]), pair_sums(vs[2], vs[3]))
+    return _F32Vec(4)(a, b, c, d), codegen
 
 
 @intrinsic

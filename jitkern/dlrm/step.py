@@ -10,7 +10,7 @@ import numpy as np
 
 from ..codegen import host_target
 from ..ops import BF16Array
-from ..ops.workspace import empty_aligned
+from ..ops.workspace import empty_aligned, staggered_blocks
 
 
 class StageTimer:
@@ -65,7 +65,7 @@ class Buffers:
         self.top = [act(b, n) for n in model.top_mlp[1:-1]] + [empty_aligned((b, model.top_mlp[-1]))]
         # pooled embeddings, one contiguous (B, D) block per table written in place via out=,
         # handed to the interaction as a list of T views (no stacking copy)
-        self.pooled = np.empty((model.num_tables, b, model.feature_dim), np.float32)
+        self.pooled = staggered_blocks(model.num_tables, (b, model.feature_dim))
         self.ly = list(self.pooled)
         # the cross network's (dcn): each layer's output x_{l+1} (b, n), u_l (b, r) (bf16 in bf16
         # models: GEMM operands) and y_l + b_l (b, n), kept for the backward

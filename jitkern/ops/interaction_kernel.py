@@ -7,6 +7,11 @@ vectors into a small scratch and does all its work there; the batch is split acr
             is a broadcast FMA; a 4-row register tile shares every load. Rows go whole into a
             per-sample scratch, from which only the triangle is copied to z.
             The transpose is done 16 x 16 blocks at a time in registers when W = 16 and D % 16 == 0.
+  forward, "pairs" scheme (interaction.forward): the sample's rows are gathered into a scratch
+            (F, Dp) and a 3 x 4 tile of row pairs accumulates twelve W-lane products over D, whose
+            lane sums (vhsum4) are four consecutive z entries of each of its three rows: fewer FMAs
+            than the transposed scheme's 4 x W blocks of the triangle (no transpose, no padding to W
+            pairs) where D spans several vectors.
   backward: dT = S @ T with S the symmetric F x F matrix of dz's triangle (instead of the
             reference's dZ @ T + dZ^T @ T), read from dz in place; a 4-row x W-lane register tile.
 Both hint the rows of the sample AHEAD samples on into L2 (inside a step they come from L3 or DRAM).
@@ -33,7 +38,10 @@ from ..codegen.vec import (
     vfma,
     vget,
     vget_addr,
+    vhsum4,
     vload,
+    vload_addr,
+    vput,
     vsplat,
     vstore,
     vtranspose16,
@@ -147,6 +155,83 @@ def _dot_forward_factory(spec):
                     vstore(zs, (i0 + 3) * Fp + j0, a3)
             _store_triangle(zf, b * nz + D, zs, F, Fp, off)
     return dot_forward
+
+
+@kernel_factory("interaction_dot_forward_pairs")
+def _pairs_forward_factory(spec):
+    FC, W = spec["F"], spec["W"]  # F: a literal, or 0 = read from the arguments; D is always read:
+    #                              a literal D lets LLVM unroll the D loop whole and spill the tile
+
+    @jit(nrt=False)  # no reference counts in the tile loop
+    def pairs(b0, b1, x, addrs, stride, off, zf, nz, buf, rowaddr, last):
+        # the pairs of samples b0 <= b < b1 (arguments as dot_forward's) into zf, z's flat (B, nz)
+        # view; buf: (F + 8, Dp) float32 zeros, rowaddr[r] its row r's byte address; last:
+        # (max(Dp, nz + 3),) of z's dtype, where the slice's last samples are assembled
+        D = x.shape[1]
+        F = FC if FC > 0 else addrs.shape[0] + 1
+        Dp = (D + W - 1) // W * W
+        D0 = D // W * W
+        item = x.itemsize
+        step = 4 * W
+        reach = max(Dp, nz + 3)  # how far past its start a sample's stores may reach
+        for b in range(b0, b1):
+            if b + AHEAD < b1:
+                _prefetch_sample(x, addrs, b + AHEAD, stride, F - 1, D)
+            for j0 in range(0, D0, W):  # the sample's rows into buf as float32
+                vstore(buf, j0, vget(x, b * D + j0, W))
+                for t in range(F - 1):
+                    vstore(buf, (t + 1) * Dp + j0, vget_addr(x, addrs[_u(t)] + item * (b * stride + j0), W))
+            for d in range(D0, D):  # lanes past the whole vectors; buf's pad lanes stay 0
+                vstore(buf, d, vget(x, b * D + d, 1))
+                for t in range(F - 1):
+                    vstore(buf, (t + 1) * Dp + d, vget_addr(x, addrs[_u(t)] + item * (b * stride + d), 1))
+            # whole vectors out: x[b]'s last one, and a short row's 4 lanes, may write past their
+            # end, where rows stored later begin (row blocks ascending, j blocks descending, rows
+            # ascending), this sample's or a later one's. A sample whose writes would pass the
+            # slice's end (other threads' rows, or past z) is assembled in `last`, then copied
+            direct = b * nz + reach <= b1 * nz
+            dst, base = (zf, b * nz) if direct else (last, 0)
+            for d0 in range(0, D, W):  # x[b] to z: before the pairs, whose extra lanes may cover it
+                vput(dst, base + d0, vload(buf, d0, W))
+            for i0 in range(1 - off, F, 3):  # rows past F read buf's zero rows, and are not stored
+                r0, r1, r2 = rowaddr[_u(i0)], rowaddr[_u(i0 + 1)], rowaddr[_u(i0 + 2)]
+                for j0 in range((i0 + 1 + off) // 4 * 4, -1, -4):
+                    c0, c1, c2, c3 = rowaddr[_u(j0)], rowaddr[_u(j0 + 1)], rowaddr[_u(j0 + 2)], rowaddr[_u(j0 + 3)]
+                    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = vzero(W)
+                    for k in range(Dp // W):
+                        o = k * step
+                        u0, u1, u2 = vload_addr(r0 + o, W), vload_addr(r1 + o, W), vload_addr(r2 + o, W)
+                        v = vload_addr(c0 + o, W)
+                        a00, a10, a20 = vfma(u0, v, a00), vfma(u1, v, a10), vfma(u2, v, a20)
+                        v = vload_addr(c1 + o, W)
+                        a01, a11, a21 = vfma(u0, v, a01), vfma(u1, v, a11), vfma(u2, v, a21)
+                        v = vload_addr(c2 + o, W)
+                        a02, a12, a22 = vfma(u0, v, a02), vfma(u1, v, a12), vfma(u2, v, a22)
+                        v = vload_addr(c3 + o, W)
+                        a03, a13, a23 = vfma(u0, v, a03), vfma(u1, v, a13), vfma(u2, v, a23)
+                    at = base + D + _tri(i0, off) + j0
+                    if j0 < i0 + off:
+                        vput(dst, at, vhsum4(a00, a01, a02, a03))
+                    if i0 + 1 < F and j0 < i0 + 1 + off:
+                        vput(dst, at + i0 + off, vhsum4(a10, a11, a12, a13))
+                    if i0 + 2 < F:
+                        vput(dst, at + 2 * (i0 + off) + 1, vhsum4(a20, a21, a22, a23))
+            if not direct:
+                for q in range(nz):
+                    zf[b * nz + q] = last[q]
+
+    @jit()
+    def pairs_forward(b0, b1, x, addrs, stride, off, z):
+        # dot_forward's arguments and result
+        F = FC if FC > 0 else addrs.shape[0] + 1
+        Dp = (x.shape[1] + W - 1) // W * W
+        buf = np.zeros((F + 8) * Dp, np.float32)  # rows >= F stay 0: the tiles' pad rows and columns
+        rowaddr = np.empty(F + 8, np.int64)
+        for r in range(F + 8):
+            rowaddr[r] = addr_of(buf) + 4 * r * Dp
+        nz = z.shape[1]
+        pairs(b0, b1, x, addrs, stride, off, z.reshape(z.size), nz, buf, rowaddr, np.empty(max(Dp, nz + 3), z.dtype))
+    return pairs_forward
 
 
 @jit(inline="always")

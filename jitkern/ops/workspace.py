@@ -62,3 +62,23 @@ def transposed_buffer(size: int) -> np.ndarray:
     """This thread's buffer for a GEMM result computed transposed (linear_forward_t, linear_dwt),
     consumed by the transpose into the caller's array before the op returns."""
     return thread_buffer("dwt", np.float32, size)
+
+
+def staggered_blocks(count: int, shape, dtype=np.float32) -> np.ndarray:
+    """A (count, *shape) array of C-contiguous blocks whose starts are staggered across the cache
+    sets: block k begins k * (one row + one line) past a 4 KiB multiple. Kernels that read or write
+    row b of every block together (the interaction over the tables' pooled rows) would otherwise
+    hit addresses equal modulo the caches' set period, as many as there are blocks, in sets of
+    8 ways: each block's rows then evict the others' before they are used."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in np.atleast_1d(shape))
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    row = (shape[-1] if shape else 1) * dtype.itemsize
+    step = (-(-row // _LINE) * _LINE + _LINE) % 4096 or _LINE
+    stride = -(-size // 4096) * 4096 + step
+    total = max(count - 1, 0) * stride + size
+    raw = np.empty(total + 4096, np.uint8)  # malloc's: reused from call to call, unlike a mapping
+    start = -raw.ctypes.data % 4096
+    flat = raw[start:start + total]
+    elems = tuple(int(s) * dtype.itemsize for s in np.cumprod((1,) + shape[::-1])[:-1][::-1]) if shape else ()
+    return np.lib.stride_tricks.as_strided(flat.view(dtype), (count, *shape), (stride, *elems), writeable=True)
