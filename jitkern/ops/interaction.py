@@ -137,8 +137,8 @@ def _chosen(op, B, F, D, threads):
 
 def _pairs_spec(F):
     # the pairs kernel reads D from its arguments (interaction_kernel: a literal D spills its tile)
-    return KernelSpec.make("interaction_dot_forward_pairs", F=F if (F, 16) in _SPECIALISED or (F, 128) in _SPECIALISED
-                           or (F, 64) in _SPECIALISED else 0, W=host_target().vector_width)
+    literal = any(f == F for f, _ in _SPECIALISED)
+    return KernelSpec.make("interaction_dot_forward_pairs", F=F if literal else 0, W=host_target().vector_width)
 
 
 def _run(op, B, F, D, *args):
@@ -192,6 +192,7 @@ LANES = knob("interaction.lanes", doc="vector lanes of the dot interaction kerne
              problems=lambda w: w.interactions,
              candidates=lambda p, quick: [{"lanes": w} for w in sorted({host_target().vector_width, 16})],
              runner=_lanes_runner)
+
 
 def _forward_heuristic(problem):
     # pairs where a row spans 4 vectors or more: measured on Zen 3 (AVX2), F = 27, it takes 0.75x
