@@ -64,8 +64,11 @@ class Buffers:
         self.bot = [act(b, n) for n in model.bottom_mlp[1:]]
         self.top = [act(b, n) for n in model.top_mlp[1:-1]] + [empty_aligned((b, model.top_mlp[-1]))]
         # pooled embeddings, one contiguous (B, D) block per table written in place via out=,
-        # handed to the interaction as a list of T views (no stacking copy)
-        self.pooled = staggered_blocks(model.num_tables, (b, model.feature_dim))
+        # handed to the interaction as a list of T views (no stacking copy); the blocks on
+        # staggered cache sets for the interaction, which reads a sample's row of each together.
+        # bf16 models round the whole array into pooled16 in one call, and the interaction reads that
+        shape = (model.num_tables, b, model.feature_dim)
+        self.pooled = np.empty(shape, np.float32) if bf16 else staggered_blocks(shape[0], shape[1:])
         self.ly = list(self.pooled)
         # the cross network's (dcn): each layer's output x_{l+1} (b, n), u_l (b, r) (bf16 in bf16
         # models: GEMM operands) and y_l + b_l (b, n), kept for the backward
