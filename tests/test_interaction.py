@@ -317,6 +317,26 @@ def test_pairs_forward_matches_the_reference_on_any_batch_split(B, T, D, self_in
     assert np.all(np.abs(full[:B] - ref) <= (D + 2) * EPS * bound + 1e-30)
 
 
+@pytest.mark.parametrize("W", [4, 16])
+def test_pairs_forward_at_other_vector_widths(W):
+    """The pairs kernel at the widths of other CPUs (SSE/NEON 4, AVX-512 16; LLVM splits or packs
+    them here): vhsum4's other reduction trees, whole vectors and a partial last one."""
+    from jitkern.codegen import KernelSpec
+    kernel = K.get_kernel(KernelSpec.make("interaction_dot_forward_pairs", F=0, W=W))
+    rng = np.random.default_rng(W)
+    for B, T, D, off in [(5, 5, 2 * W, 0), (4, 8, W + 3, 1), (3, 2, 1, 0), (6, 11, 3 * W - 1, 1)]:
+        x, ly = _inputs(rng, B, T, D)
+        xx, keep, addrs, stride, _ = K._features(x, ly)
+        full = np.full((B + 1, D + K.num_pairs(T + 1, off)), 7.0, np.float32)
+        kernel(0, B // 2, xx, addrs, stride, off, full[:B])
+        kernel(B // 2, B, xx, addrs, stride, off, full[:B])
+        assert np.all(full[B] == 7.0)
+        ref = R.interaction_dot_forward(x, ly, self_interaction=bool(off))
+        bound = R.interaction_dot_forward(np.abs(x), np.abs(ly), self_interaction=bool(off))
+        np.testing.assert_array_equal(full[:B, :D], x)
+        assert np.all(np.abs(full[:B] - ref) <= (D + 2) * EPS * bound + 1e-30)
+
+
 def test_tuned_per_thread_minimum_sets_the_split(db, monkeypatch):
     import numba
     from jitkern.codegen import tunedb
