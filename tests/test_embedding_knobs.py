@@ -72,7 +72,7 @@ def test_forward_prefetch_follows_the_cache_model(caches, monkeypatch):
         monkeypatch.delenv("JITKERN_CACHE_SIZES", raising=False)
     l2 = host_target().l2
     pf = forward.PREFETCH.heuristic
-    near = min(max(l2 // (32 << 10), 16), 64)  # rows ahead, in proportion to L2: Zen 4's 1 MiB gives 32
+    near = min(max(l2 // (32 << 10), 32), 64)  # rows ahead, in proportion to L2 from 32: Zen 4's 1 MiB gives 32
     assert prefetch_distance(256) == near and prefetch_distance(512) == max(near // 2, 16)
     # rows up to 256 bytes get `near`, wider rows half of it (16 at least); the generic kernel 16
     assert pf((10**6, 16, POOLING, BATCH, 4, 1)) == pf((10**6, 128, POOLING, BATCH, 2, 1)) == {"distance": near,

@@ -32,10 +32,11 @@ NO_STATE = np.empty(0, np.float32)
 def prefetch_distance(row_bytes: int, l2: int | None = None) -> int:
     """Rows a gather prefetches ahead (the knobs' heuristic; tuning replaces it per CPU): far
     enough to cover a DRAM miss, near enough that wide rows do not overflow the outstanding-miss
-    buffers, and in proportion to the L2 the prefetches fill (`l2`, default the host's). Measured
-    best: 32 rows up to 256 bytes and 16 beyond on a 1 MiB-L2 Zen 4, 64 and 32 on a 2 MiB-L2 Xeon."""
+    buffers, and in proportion to the L2 the prefetches fill (`l2`, default the host's), from 32.
+    Measured best: 32 rows up to 256 bytes and 16 beyond on a 1 MiB-L2 Zen 4, 64 and 32 on a
+    2 MiB-L2 Xeon; on a 512 KiB-L2 Zen 3 32 rows beat 16 at 64-byte rows."""
     l2 = host_target().l2 if l2 is None else l2
-    base = min(max(l2 // (32 << 10), 16), 64)
+    base = min(max(l2 // (32 << 10), 32), 64)
     return base if row_bytes <= 256 else max(base // 2, 16)
 
 
