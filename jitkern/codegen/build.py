@@ -69,6 +69,7 @@ def jit(*, parallel: bool = False, fastmath=FASTMATH, inline: str = "never", nrt
                           error_model="numpy", boundscheck=False, inline=inline, **extra)
 
     def build(fn):
+        setattr(fn, cache.JIT_MARK, True)  # stamped by jitkern's sources wherever it is defined
         disp = decorate(fn)
         if disk:
             disp._cache = cache.StableKeyCache(disp.py_func)

@@ -5,7 +5,8 @@
   old machine code when only _rows.py changed. For jitkern's functions the stamp is the hash of every
   source file kernels draw code from (ops/ and codegen/) plus the function's own file: editing
   any of them recompiles what could depend on it (more compiling while jitkern itself is being
-  edited, none for an installed copy). `install()` puts these locators first (idempotent).
+  edited, none for an installed copy). So is every function decorated with codegen.jit elsewhere
+  (a user's or a test's kernel inlining jitkern's intrinsics). `install()` puts these locators first (idempotent).
 - Missed entries: numba keys a closure on the pickled values of its cells, and a dispatcher
   pickles with a per-process uuid, so every factory kernel that calls another compiled closure
   (the embedding forward and updates) was compiled afresh in every process. `StableKeyCache`
@@ -51,6 +52,9 @@ def source_stamp(package: Path = PACKAGE, own_file: str = "") -> bytes:
     return h.digest()
 
 
+JIT_MARK = "_jitkern_jit"  # set by codegen.jit: functions outside the package that may inline its helpers
+
+
 def _ours(py_file) -> bool:
     try:
         return Path(py_file).resolve().is_relative_to(PACKAGE)
@@ -66,7 +70,8 @@ def _package_stamped(base):
 
         @classmethod
         def from_function(cls, py_func, py_file):
-            return super().from_function(py_func, py_file) if _ours(py_file) else None
+            claimed = _ours(py_file) or getattr(py_func, JIT_MARK, False)
+            return super().from_function(py_func, py_file) if claimed else None
 
     Locator.__name__ = Locator.__qualname__ = "Jitkern" + base.__name__
     return Locator
