@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jitkern.codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory
+from jitkern.codegen.rowvec import row_copy
 from jitkern.codegen.simd import MASK_BYTE, MASK_F32, MASK_OUT, fma_tile, tile_code
 from jitkern.codegen.target import VECTOR_WIDTH
 
@@ -161,6 +162,9 @@ def test_kernel_cache_stamp_covers_every_kernel_source(tmp_path):
     locator = grouping.link_rows._cache._impl._locator
     assert type(locator).__name__.startswith("Jitkern")
     assert locator.get_source_stamp() == cache.source_stamp(cache.PACKAGE, grouping.__file__)
+    # so do functions decorated with codegen.jit outside the package (they inline its intrinsics)
+    locator = _copy_rows24._cache._impl._locator
+    assert locator.get_source_stamp() == cache.source_stamp(cache.PACKAGE, __file__)
 
 
 _TILE = tile_code(4, 8, 4)  # a 4 x 8 tile of <4 x float> vectors: valid on every CPU
@@ -208,3 +212,21 @@ def test_fma_tile_strides_offsets_and_epilogue():
             want_b[1:1 + mr * ldc].reshape(mr, ldc)[:, :nr] = want > 0
         np.testing.assert_array_equal(maskb, want_b, err_msg=str(flags))
         assert c[0] == c0[0]
+
+
+@jit()
+def _copy_rows24(dst, src, pairs):
+    for k in range(pairs.shape[0]):
+        row_copy(dst, pairs[k, 0], src, pairs[k, 1], 24)  # a 64-byte chunk and a 32-byte rest
+
+
+def test_row_copy_moves_exactly_one_row_of_any_width():
+    rng = np.random.default_rng(3)
+    src = rng.standard_normal((7, 32)).astype(np.float32)
+    dst = np.full((5, 30), np.nan, np.float32)
+    pairs = np.array([[0, 6], [3, 0], [4, 2]], np.int64)
+    _copy_rows24(dst, src, pairs)
+    want = np.full((5, 30), np.nan, np.float32)
+    for i, j in pairs:
+        want[i, :24] = src[j, :24]
+    np.testing.assert_array_equal(dst, want)  # columns 24+ and the other rows untouched (NaN == NaN here)
