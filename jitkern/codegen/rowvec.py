@@ -299,11 +299,12 @@ def row_set_from(typingctx, dst, i, c, src, j, scale, n, widen):
 
 
 @intrinsic
-def row_to_lanes(typingctx, dst, i, src, j, n, widen):
-    """dst[i, :n] = src[j, :n] in the lane order of Split-SGD scheme `widen` (unchanged for SHUFFLE
-    and SHIFT); n and widen compile-time constants."""
+def row_to_lanes(typingctx, dst, i, src, j, scale, n, widen):
+    """dst[i, :n] = scale * src[j, :n] in the lane order of Split-SGD scheme `widen` (unchanged for
+    SHUFFLE and SHIFT); n and widen compile-time constants (a constant scale of 1 folds away)."""
     if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,))
-            and _is_table(src, (types.float32,)) and _scheme(widen, SPLIT_SCHEMES) is not None):
+            and _is_table(src, (types.float32,)) and isinstance(scale, (types.Float, types.Integer))
+            and _scheme(widen, SPLIT_SCHEMES) is not None):
         return None
     size, scheme = n.literal_value, _scheme(widen, SPLIT_SCHEMES)
     order = lane_order(size, scheme) if in_lanes(size, scheme) else None
@@ -312,17 +313,18 @@ def row_to_lanes(typingctx, dst, i, src, j, n, widen):
     def codegen(context, builder, sig, args):
         if size == 0:
             return context.get_dummy_value()
-        dsty, ity, srcty, jty = sig.args[:4]
+        dsty, ity, srcty, jty, sty = sig.args[:5]
         drow, srow = (builder.bitcast(_row_ptr(context, builder, ty, a, rty, r), _F32.as_pointer())
                       for ty, a, rty, r in ((dsty, args[0], ity, args[1]), (srcty, args[2], jty, args[3])))
+        factor = _splat(context, builder, args[4], sty, chunk)
         for c in range(0, size, chunk):
             at = ir.Constant(ir.IntType(64), c)
-            v = _load_row(builder, builder.gep(srow, [at]), types.float32, chunk)
+            v = builder.fmul(_load_row(builder, builder.gep(srow, [at]), types.float32, chunk), factor)
             if order:
                 v = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), chunk), order[:chunk]))
             builder.store(v, builder.bitcast(builder.gep(drow, [at]), ir.VectorType(_F32, chunk).as_pointer()), align=4)
         return context.get_dummy_value()
-    return types.none(dst, i, src, j, n, widen), codegen
+    return types.none(dst, i, src, j, scale, n, widen), codegen
 
 
 @intrinsic

@@ -74,8 +74,8 @@ def columns_candidates(problem, quick):
 def split_heuristic(problem) -> dict:
     """How the Split-SGD joins and splits bf16 halves: as the forward widens with AVX-512BW; with
     AVX2 by 16-bit unpacks and packs within 128-bit lanes, which undo each other, so only dout's
-    row is permuted, once per bag (Zen 3, D=128, fp32 SGD time x1.22 vs x2.28 by zero-extending
-    in cache, x1.10 vs x1.99 at R=1e7)."""
+    row is permuted, once per bag (Zen 3, D=128, fp32 SGD time x1.16 vs x2.20 by zero-extending
+    in cache, x1.01 vs x1.84-1.98 at R=1e7)."""
     return {"scheme": {"avx512": "shuffle", "avx2": "unpack8"}.get(target_isa(), "shift")}
 
 

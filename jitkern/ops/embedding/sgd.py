@@ -106,6 +106,9 @@ def _loops(DC, PF, BF16, SCHEME, scaled):
     ITEM = 2 if BF16 else 4
     LANES = bool(BF16) and in_lanes(DC, SCHEME)
     RING = ring_rows(DC)
+    # unscaled entries update by the ring's rows as filled: -lr * dout[b], multiplied once per bag,
+    # not once per entry (the same product, so the same bits); scaled ones need dout itself
+    PRESCALED = LANES and not scaled
 
     @jit(inline="always")
     def prefetch_rows(target, r, D, tails):
@@ -127,6 +130,8 @@ def _loops(DC, PF, BF16, SCHEME, scaled):
             sc = entry_scale(psw, j, mean, bag_size(offsets, b, nbags, n, last))
             madd_row(acc, 0, src, a, sc, D, DC, True)
             update_row(target, r, acc, 0, lr, D)
+        elif PRESCALED:  # src[a] is -lr * g already: w + 1 * src[a] (the multiply folds away)
+            update_row(target, r, src, a, np.float32(-1.0), D)
         else:
             update_row(target, r, src, a, lr, D)
 
@@ -138,12 +143,13 @@ def _loops(DC, PF, BF16, SCHEME, scaled):
         return dout
 
     @jit(inline="always")
-    def advance(src, first, b, dout):
+    def advance(src, first, b, dout, lr):
         # the ring's first bag once bag b is due: refilled from b when b is past it
         if LANES:
             if b >= first + RING:
+                scale = -lr if PRESCALED else np.float32(1.0)
                 for k in range(min(RING, dout.shape[0] - b)):
-                    row_to_lanes(src, k, dout, b + k, DC, SCHEME)
+                    row_to_lanes(src, k, dout, b + k, scale, DC, SCHEME)
                 return b
         return first
 
@@ -158,7 +164,7 @@ def _loops(DC, PF, BF16, SCHEME, scaled):
         src = source(dout, lanes, 0)
         first = -RING if LANES else 0
         for b in range(nbags):
-            first = advance(src, first, b, dout)
+            first = advance(src, first, b, dout, lr)
             for j in range(offsets[b], bag_end(offsets, b, nbags, n, last)):
                 u = np.uint64(j)  # validated, non-negative: unsigned indexing skips wraparound code
                 prefetch_rows(target, indices[min(u + np.uint64(PF), far)], D, tails)
@@ -181,7 +187,7 @@ def _loops(DC, PF, BF16, SCHEME, scaled):
             if i + PF < m:
                 prefetch_rows(target, indices[mine[i + PF] & LO32], D, tails)
             j, b = mine[i] & LO32, mine[i] >> 32
-            first = advance(src, first, b, dout)
+            first = advance(src, first, b, dout, lr)
             apply_entry(target, indices[j], j, b, offsets, psw, mean, last, n, nbags, src, b - first, lr, acc, D)
     return serial, owned
 
