@@ -182,6 +182,22 @@ def test_specialised_widths(dim):
         np.testing.assert_allclose(drows, want_drows, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("sizes", [[1] * 9, [0, 2, 1, 1], [1, 1, 0, 2, 1], [2, 0, 1], [1, 1, 1, 0]])
+def test_one_row_bags_are_copied_only_where_every_bag_has_one_row(sizes, path):
+    """Batches of one-row bags take a plain copy; bag sizes that merely add up to the bag count
+    (an empty bag beside a two-row one) must not, nor weighted bags."""
+    dim = SPECIALISED_D[-1]
+    rng = np.random.default_rng(len(sizes))
+    w = rng.standard_normal((50, dim)).astype(np.float32)
+    for last in (False, True):
+        idx, off = _bags(rng, 50, sizes, False, np.int64, last)
+        psw = rng.standard_normal(len(idx)).astype(np.float32)
+        for kw in (dict(mode="sum"), dict(mode="mean"), dict(mode="sum", per_sample_weights=psw)):
+            want = reference.embedding_bag_forward(w, idx, off, include_last_offset=last, **kw)
+            got = embedding_bag_forward(w, idx, off, include_last_offset=last, **kw)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"{sizes} {kw} last={last}")
+
+
 @pytest.mark.parametrize("dim, layout", [(d, "split") for d in (*SPECIALISED_D, 37)]
                          + [(d, "pairs") for d in (SPECIALISED_D[0], SPECIALISED_D[-1], 37)])
 def test_bf16_split_sgd_equals_fp32_sgd_bit_for_bit(dim, layout):
