@@ -206,25 +206,25 @@ widen compile-time constants."""
 
 @intrinsic
 def row_copy(typingctx, dst, i, src, j, n):
-    """dst[i, :n] = src[j, :n] (float32 rows, n a compile-time constant), one 64-byte chunk at a
-    time, each stored before the next is loaded: a whole <n x float> value would be held in (and,
-    for wide rows, spilled from) the vector registers, and a plain loop gets an aliasing check."""
-    if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,))
-            and _is_table(src, (types.float32,))):
+    """dst[i, :n] = src[j, :n] (src float32, or uint16 bf16 bits widened into the high half), n a
+    compile-time constant, 16 elements at a time, each chunk stored before the next is loaded: a
+    whole <n x float> value would be held in (and, for wide rows, spilled from) the vector
+    registers, and a plain loop gets an aliasing check."""
+    if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,)) and _is_table(src)):
         return None
     size = n.literal_value
 
     def codegen(context, builder, sig, args):
         dsty, ity, srcty, jty = sig.args[:4]
-        drow, srow = (builder.bitcast(_row_ptr(context, builder, ty, a, rty, r), _F32.as_pointer())
-                      for ty, a, rty, r in ((dsty, args[0], ity, args[1]), (srcty, args[2], jty, args[3])))
+        item = ir.IntType(16) if srcty.dtype == types.uint16 else _F32
+        drow = builder.bitcast(_row_ptr(context, builder, dsty, args[0], ity, args[1]), _F32.as_pointer())
+        srow = builder.bitcast(_row_ptr(context, builder, srcty, args[2], jty, args[3]), item.as_pointer())
         c = 0
         while c < size:
             chunk = min(16, size - c)
             at = ir.Constant(ir.IntType(64), c)
-            vec = ir.VectorType(_F32, chunk).as_pointer()
-            v = builder.load(builder.bitcast(builder.gep(srow, [at]), vec), align=4)
-            builder.store(v, builder.bitcast(builder.gep(drow, [at]), vec), align=4)
+            v = _load_row(builder, builder.gep(srow, [at]), srcty.dtype, chunk, SHIFT)
+            builder.store(v, builder.bitcast(builder.gep(drow, [at]), ir.VectorType(_F32, chunk).as_pointer()), align=4)
             c += chunk
         return context.get_dummy_value()
     return types.none(dst, i, src, j, n), codegen

@@ -60,7 +60,7 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
     a time, so that the accumulator and its operands fit in the vector registers (a bag's rows are
     cached after the first block)."""
     W = DC // COLS
-    COPY = bool(DC) and ITEM == 4  # one-row bags of fp32 vector-width tables are copied (copy_bags)
+    COPY = bool(DC)  # one-row bags of vector-width tables are copied, bf16 rows widened (copy_bags)
 
     @jit(inline="always", fastmath=_STRICT)
     def pool_bag(acc, weight, indices, psw, s, e, D, c, weighted, fetch):
@@ -82,7 +82,7 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
         """If bags b0 <= b < b1 hold one row each (offsets step by one), copy each bag's row to out[b]
         (its sum and its mean are the row itself) and return True. A loop of its own: a plain copy,
         with no accumulator between load and store and few live values, gathers a pooling-1 batch
-        1.2-1.3x faster than the pooling loop. Only for unweighted bags of fp32 vector-width rows."""
+        1.2-1.3x faster than the pooling loop. Only for unweighted bags of vector-width rows."""
         nbags, nnz = out.shape[0], indices.shape[0]
         if not COPY or b1 <= b0:
             return False
