@@ -6,7 +6,8 @@ include_last_offset=True); bag b is indices[offsets[b]:offsets[b+1]], the last r
 
 Parallel over chunks of bags; for common widths D (SPECIALISED_D) the row loop is one
 <D x float> operation on a register-resident accumulator, other widths run a generic runtime-D
-kernel. Random row reads are latency-bound, so rows are prefetched some entries ahead. Knobs:
+kernel; chunks of one-row unweighted bags are copied instead. Random row reads are
+latency-bound, so rows are prefetched some entries ahead. Knobs:
 the prefetch distance and hint, the work from which the forward goes parallel, and how bf16
 rows are widened.
 """
