@@ -11,7 +11,10 @@ from jitkern.codegen import host_target
 from jitkern.ops import BF16Array, batch_reduce_gemm, gemm, linear_backward, linear_forward
 from jitkern.ops import reference as ref
 
+import isa_switch
+
 G = importlib.import_module("jitkern.ops.gemm")
+GK = importlib.import_module("jitkern.ops.gemm_kernel")
 EPS = np.finfo(np.float32).eps
 # 1..300 with the awkward sizes over-represented: 1, primes, around the tile sizes
 dims = st.one_of(st.integers(1, 300), st.sampled_from([1, 2, 7, 13, 31, 33, 97, 127, 257, 293]))
@@ -377,6 +380,36 @@ def test_fused_b_pack_of_one_row_block_matches_b_packed_whole(m, n, k, kc, ta, a
     want = want + bv if bias else want
     want = np.maximum(want, 0) if relu else want
     assert_close(fused, want.astype(np.float32), np.abs(a).max() * np.abs(b).max() * k + np.abs(c0).max() + 1, k)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+@given(rows=st.integers(0, 40), n=st.sampled_from([512, 1024, 300, 1000]), k=st.integers(2, 700),
+       kc=st.sampled_from([16, 64, 256]), ncp=st.sampled_from([1, 3, 1000]), ta=st.booleans(),
+       alpha=st.sampled_from([1.0, -0.5]), beta=st.sampled_from([0.0, 1.0, -1.5]), bias=st.booleans(),
+       relu=st.booleans(), seed=st.integers(0, 99))
+def test_b_slab_per_task_matches_b_packed_whole(isa, rows, n, k, kc, ncp, ta, alpha, beta, bias, relu, seed):
+    # one row block over a packed (k, n) B: each task packs its columns of B a K pass at a time
+    # (gemm_pack.slab_mode: ragged last panels, several column blocks, each next slab hinted);
+    # several row blocks pack B whole first. The same FMA chains: identical bits
+    if isa == "avx2" and host_target().detected_isa not in ("avx2", "avx512"):
+        pytest.skip("host has no AVX2")
+    with isa_switch.isa(isa):
+        mr, nr, _ = G.tile_shape()
+        # B is read in place for fewer than 16 row tiles unless its row stride is 2 KiB-aligned
+        m = rows + (2 * mr + 1 if n % 512 == 0 else 16 * mr)
+        rng = np.random.default_rng(seed)
+        a, b = arrays(rng, k, m) if ta else arrays(rng, m, k), arrays(rng, k, n)
+        c0, bv = arrays(rng, m, n), arrays(rng, n) if bias else None
+        kw = dict(alpha=alpha, beta=beta, bias=bv, relu=relu)
+        one = (G._round_to(m, mr), kc, ncp * nr)
+        assert GK.use_slab(False, m, n, one[0], mr, nr)
+        slab = G.gemm_into(a, b, c0.copy(), ta, False, one, **kw)
+        whole = G.gemm_into(a, b, c0.copy(), ta, False, (mr, kc, ncp * nr), **kw)
+    np.testing.assert_array_equal(slab.view(np.uint32), whole.view(np.uint32))
+    want = alpha * ((a.T if ta else a).astype(np.float64) @ b.astype(np.float64)) + beta * c0
+    want = want + bv if bias else want
+    want = np.maximum(want, 0) if relu else want
+    assert_close(slab, want.astype(np.float32), np.abs(a).max() * np.abs(b).max() * k + np.abs(c0).max() + 1, k)
 
 
 @pytest.mark.parametrize("n", [512, 1024, 1000])

@@ -27,8 +27,8 @@ from ..codegen import knobs
 from ..codegen.simd import (MASK_BYTE, MASK_F32, MASK_OUT, NO_MASK, STREAM, fma_tile, store_fence, tile_code, tile_dims,
                              tile_for)
 from ..codegen.bf16 import relu_keep
-from .gemm_pack import (a_panel, b_in_place, pack_a_block, pack_b_columns, pack_b_panel, pack_b_rows, prefetch_c,
-                        prefetch_rows, task_floats, task_parts)
+from .gemm_pack import (a_panel, b_in_place, b_panel, pack_a_block, pack_b_columns, pack_b_panel, pack_b_rows,
+                        pack_b_slab, prefetch_c, prefetch_rows, prefetch_run, slab_mode, task_floats, task_parts)
 from .gemm_passes import relu_mask_into
 from .gemv_kernel import gemv_into, outer_into
 from .workspace import thread_buffer
@@ -83,15 +83,16 @@ def _edge_tile(code, kcb, a_op, b_op, c_op, bias_op, flags, mask_op, tile, rows,
 
 
 @jit(inline="always")
-def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
+def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, nxt):
     """One K pass of one C block: the register tile over each of its MR x NR tiles.
 
     a_src = (flat A, packed A block), b_src = (packed B panels, flat B), c_dst = (flat C, flat
     float32 mask, flat byte mask, both laid out as C), tile: MR * NR scratch for edge tiles, biasp:
     bias zero-padded to whole panels; blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (m, n, k,
-    ps, bp0: the first row of B in its packed panels); mode = (a_inplace, ta, b_inplace, b_fused,
-    load, epi, use_bias, relu, mask_mode); b_fused: B is (n, k), each panel's K-pass slice packed
-    into bp right before its tiles.
+    ps, bp0, jp0: the first row and panel of B in its packed panels); mode = (a_inplace, ta,
+    b_inplace, b_fused, load, epi, use_bias, relu, mask_mode); b_fused: B is (n, k), each panel's K-pass slice packed
+    into bp right before its tiles; nxt = (row, rows, col, cols): the block of B (k, n) the task
+    packs next (a slab), hinted into L2 a share before each tile (rows 0: none).
     """
     mr, nr = tile_dims(code)
     aflat, ap = a_src
@@ -99,12 +100,14 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
     cf, maskf, maskb = c_dst
     i0, mcb, j0, ncb = blk
     p0, kcb = kpass
-    m, n, k, ps, bp0 = geo
+    m, n, k, ps, bp0, jp0 = geo
     a_inplace, ta, b_inplace, b_fused, load, epi, use_bias, relu, mask_mode = mode
     masking = mask_mode & (STREAM - 1) if epi else NO_MASK  # STREAM: full tiles only, in the last pass
     flags = (load, epi, use_bias, relu, masking)
     full_flags = (load, epi, use_bias, relu, mask_mode if epi else NO_MASK)
     nip = (mcb + mr - 1) // mr
+    nrow, nrows, ncol, ncols = nxt
+    ntiles = ((j0 + ncb + nr - 1) // nr - j0 // nr) * nip
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
         nrem = min(nr, n - jj)
@@ -112,7 +115,7 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
             pack_b_panel(bp, bflat, jp, kpass, (n, k), nr)
             b_op = (bp, 0, nr)
         elif not b_inplace:
-            b_op = (bp, jp * ps + (p0 - bp0) * nr, nr)
+            b_op = (bp, (jp - jp0) * ps + (p0 - bp0) * nr, nr)
         elif nrem < nr:  # the ragged last panel, packed alone
             b_op = (bp, p0 * nr, nr)
         else:
@@ -121,6 +124,10 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode):
         for ip in range(nip):
             ii = i0 + ip * mr
             mrem = min(mr, i0 + mcb - ii)
+            if nrows > 0:
+                q = (jp - j0 // nr) * nip + ip
+                for r in range(q * nrows // ntiles, (q + 1) * nrows // ntiles):
+                    prefetch_run(bflat, (nrow + r) * n + ncol, ncols * 4)
             if ahead:  # a share of the next panel's rows before each row tile: a burst of them all
                 r0 = ip * kcb // nip  # would fill the queue of misses the tile's own loads wait in
                 prefetch_rows(bflat, (p0 + r0) * n + jj + nr, n, (ip + 1) * kcb // nip - r0, nr * 4)
@@ -160,11 +167,11 @@ def _gemm_factory(spec: KernelSpec):
         # if use_bias; mask: flat (m * n) float32 if mask_mode is MASK_F32; maskb: flat (m * n)
         # uint8 if MASK_BYTE or MASK_OUT; ws: float32 scratch; dims = (m, n, k); scale = (alpha,
         # beta) float32; blocks = (mc, kc, nc); flags = (ta, tb, use_bias, relu, mask_mode: | STREAM
-        # stores C's full tiles non-temporally, each task fenced at its end)
+        # stores C's full tiles non-temporally, each task fenced at its end, slab: see slab_mode)
         m, n, k = dims
         alpha, beta = scale
         mc, kc, nc = blocks
-        ta, tb, use_bias, relu, mask_mode = flags
+        ta, tb, use_bias, relu, mask_mode, slab = flags
         npan = (n + NR - 1) // NR
         # Pack B into k-major NR-wide panels (panel p at p * ps) unless b_in_place: packed, one
         # aligned cache line per NR floats instead of lines split at B's row stride, and the copy
@@ -184,15 +191,15 @@ def _gemm_factory(spec: KernelSpec):
         # time into one region that each pass rewrites while it is cached: B packed whole goes to
         # lines long evicted, each store a miss to memory first; C's blocks, revisited per pass
         # instead, are the smaller operand
-        by_pass = npc > 1 and not tb and not inplace and m < k
+        by_pass = npc > 1 and not tb and not inplace and m < k and not slab
         ps = (kc if by_pass else k) * NR + 16  # panel stride, one cache line more than needed: panels
         #                                        side by side would otherwise collide in L1 sets
-        bsize = 0 if fused else npan * ps  # ws: [B panels | bias | per task: an A block, a B panel]
+        bsize = 0 if fused or slab else npan * ps  # ws: [B panels | bias | per task: A block, B panel(s)]
         bp, bflat = ws[:bsize], b.reshape(b.size)
         if tb and not fused:
             for p in prange(packed):
                 pack_b_columns(bp, bflat, p, (n, k, ps), NR)
-        elif not tb and packed > 0 and not by_pass:
+        elif not tb and packed > 0 and not by_pass and not slab:
             for kb in prange((k + 63) // 64):
                 pack_b_rows(bp, bflat, kb, (n, k, ps), npan - packed, NR)
         nbias = (npan * NR + 15) // 16 * 16  # ws after the B panels: the bias, zero-padded to whole panels
@@ -205,9 +212,9 @@ def _gemm_factory(spec: KernelSpec):
         # follows), or transposed when each C block has one column panel (its packed copy would
         # be read only once)
         a_inplace = alpha == 1.0 and (not ta or nc <= NR)
-        tsize = task_floats(mc, kc, MR, NR)
+        tsize = task_floats(mc, kc, nc, MR, NR, slab)
         srcs = (aflat, bp, bflat, c, cf, mask, maskb, biasp)
-        mode = (alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, mask_mode)
+        mode = (alpha, beta, a_inplace, ta, inplace, fused, slab, use_bias, relu, mask_mode)
         geo = (m, n, k, mc, kc, nc, ps)
         for step in range(npc if by_pass else 1):  # one call site: the tile code is inlined once
             passes = (step, step + 1, npc, step * kc) if by_pass else (0, npc, npc, 0)
@@ -227,16 +234,17 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
     packed into the task's region per pass (and B's panels too if b_fused), then the tiles.
     srcs = (flat A, packed B, flat B, c, flat C, flat float32 mask, flat byte mask, padded bias);
     passes = (pa, pb, npc, bp0: B's first row in its packed panels); geo = (m, n, k, mc, kc, nc,
-    ps); mode = (alpha, beta, a_inplace, ta, b_inplace, b_fused, use_bias, relu, mask_mode)."""
+    ps); mode = (alpha, beta, a_inplace, ta, b_inplace, b_fused, slab, use_bias, relu, mask_mode);
+    slab: B's K-pass rows of this block's columns packed into the task's region before its tiles."""
     mr, nr = tile_dims(code)
     aflat, bp, bflat, c, cf, maskf, maskb, biasp = srcs
     pa, pb, npc, bp0 = passes
     m, n, k, mc, kc, nc, ps = geo
-    alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, mask_mode = mode
+    alpha, beta, a_inplace, ta, inplace, fused, slab, use_bias, relu, mask_mode = mode
     a0, asize, b0 = task_parts(mc, kc, mr, nr)
     tile = region[:mr * nr]  # scratch from the workspace: an allocation per task costs ~0.5 us
     ap = region[a0:a0 + asize]
-    if fused:
+    if fused or slab:
         bp = region[b0:]
     njb = (n + nc - 1) // nc
     ib = t // njb
@@ -246,10 +254,17 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
         _scale_block(c, blk, beta)
     for pi in range(pa, pb):
         kpass = (pi * kc, min(kc, k - pi * kc))
+        if slab:
+            pack_b_slab(bp, bflat, (blk[2], blk[3], kc), kpass, n, nr)
         pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, mr)
         flags = (a_inplace, ta, inplace, fused, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, mask_mode)
-        _sweep_tiles(code, (aflat, ap), (bp, bflat), (cf, maskf, maskb), tile, biasp, blk, kpass, (m, n, k, ps, bp0),
-                     flags)
+        geo_b = (m, n, k, b_panel(kc, nr), kpass[0], blk[2] // nr) if slab else (m, n, k, ps, bp0, 0)
+        nxt = (0, 0, 0, 0)
+        if slab and pi + 1 < npc:  # the block's next pass
+            nxt = ((pi + 1) * kc, min(kc, k - (pi + 1) * kc), blk[2], blk[3])
+        elif slab and blk[2] + nc < n:  # the next block's first (this thread's, as the tasks go in order)
+            nxt = (0, min(kc, k), blk[2] + nc, min(nc, n - blk[2] - nc))
+        _sweep_tiles(code, (aflat, ap), (bp, bflat), (cf, maskf, maskb), tile, biasp, blk, kpass, geo_b, flags, nxt)
     if mask_mode & STREAM:
         store_fence()
 
@@ -333,10 +348,14 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     mf, mb, mode = _mask_args(mask, mask_out)
     if _streams(c, k, beta, isa) if stream is None else (stream and _streamable(c, beta, isa)):
         mode |= STREAM
+    slab = use_slab(tb, m, n, mc, mr, nr)
+    if slab:
+        nc = min(nc, slab_columns(min(kc, k), nr))
     npan = -(-n // nr)  # B's panels, the padded bias, then the tasks' regions
-    need = npan * (k * nr + 16) + npan * nr + 16 + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, mr, nr)
+    need = npan * (k * nr + 16) + npan * nr + 16 + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, nc, mr, nr, slab)
+    flags = (bool(ta), bool(tb), bias is not None, bool(relu), mode, slab)
     args = (a, b, c, _DUMMY if bias is None else bias, mf, mb, thread_buffer("ws", np.float32, need), (m, n, k),
-            (np.float32(alpha), np.float32(beta)), (mc, kc, nc), (bool(ta), bool(tb), bias is not None, bool(relu), mode))
+            (np.float32(alpha), np.float32(beta)), (mc, kc, nc), flags)
     kern = _kernel(isa)
     try:
         kern(*args)
@@ -346,6 +365,17 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
         log.warning("gemm %s kernel failed to build (%s); using the portable scalar kernel", isa, e)
         _kernel("scalar")(*args)
     return c
+
+
+def use_slab(tb, m, n, mc, mr, nr) -> bool:
+    """gemm_pack.slab_mode, from Python."""
+    return bool(slab_mode(bool(tb), m, n, mc, mr, nr))
+
+
+def slab_columns(kc: int, nr: int) -> int:
+    """Columns of a task's B slab (slab_mode) of kc rows: the slab in half of L2, beside the A block
+    and C's tiles."""
+    return max(nr, host_target().l2 // 2 // (max(kc, 1) * 4) // nr * nr)
 
 
 def write_mask(c, mask_out):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..codegen import jit, uidx as _u
 from ..codegen.prefetch import prefetch_l2, prefetch_write
+from ..codegen.vec import vload, vstore
 
 
 # --------------------------------------------------------------------------- packing
@@ -59,10 +60,64 @@ def a_panel(kc, mr):
 
 
 @jit()
-def task_floats(mc, kc, mr, nr):
+def task_floats(mc, kc, nc, mr, nr, slab):
     """Workspace floats of one C block's task, each part in whole cache lines: the edge tiles'
-    MR x NR scratch, its packed A block, and one B panel of kc rows for the fused pack."""
-    return task_parts(mc, kc, mr, nr)[2] + max(kc, 1) * nr + 16
+    MR x NR scratch, its packed A block, and its B panels of kc rows: one for the fused pack, all
+    of its nc columns' for the slab."""
+    return task_parts(mc, kc, mr, nr)[2] + ((nc + nr - 1) // nr if slab else 1) * b_panel(kc, nr)
+
+
+@jit(inline="always")
+def b_panel(kc, nr):
+    """Floats from one B panel of a task's slab (or fused pack) to the next (see a_panel)."""
+    return max(kc, 1) * nr + 16
+
+
+@jit(inline="always")
+def slab_mode(tb, m, n, mc, mr, nr):
+    """Whether each task packs its own columns of B per K pass (a slab) instead of the driver
+    packing B whole first: B is (k, n), packed (not b_in_place) and C is one row block, so each
+    of B's panels is read by one task only. The slab is rewritten in L2 (the blocking sizes it so),
+    and the next one is hinted while its tiles run: B packed whole is first read from memory,
+    its copy written to lines long evicted, with no FMA to overlap either."""
+    return not tb and m <= mc and not b_in_place(tb, m, n, mr, nr)
+
+
+@jit(inline="always")
+def copy_run(dst, d, src, s, count):
+    """dst[d:d + count] = src[s:s + count] (float32), as whole vectors once count is a constant."""
+    q = 0
+    while q + 16 <= count:
+        vstore(dst, _u(d + q), vload(src, _u(s + q), 16))
+        q += 16
+    while q + 4 <= count:
+        vstore(dst, _u(d + q), vload(src, _u(s + q), 4))
+        q += 4
+    while q < count:
+        dst[_u(d + q)] = src[_u(s + q)]
+        q += 1
+
+
+@jit(inline="always")
+def pack_b_slab(bs, bflat, cols, kpass, n, nr):
+    """Rows p0 .. p0 + kcb - 1, columns j0 .. j0 + ncb - 1 of B (k, n) into bs as nr-wide k-major
+    panels b_panel(kc, nr) apart (kc: a full pass; columns past n zeroed), in memory order.
+    cols = (j0, ncb, kc), kpass = (p0, kcb)."""
+    j0, ncb, kc = cols
+    p0, kcb = kpass
+    npan = (ncb + nr - 1) // nr
+    nfull = min(npan, (n - j0) // nr)
+    ps = b_panel(kc, nr)
+    for kk in range(kcb):
+        row = (p0 + kk) * n + j0
+        for q in range(nfull):
+            copy_run(bs, q * ps + kk * nr, bflat, row + q * nr, nr)
+        for q in range(nfull, npan):  # the ragged last panel of B
+            width = n - j0 - q * nr
+            for r in range(width):
+                bs[_u(q * ps + kk * nr + r)] = bflat[_u(row + q * nr + r)]
+            for r in range(width, nr):
+                bs[_u(q * ps + kk * nr + r)] = 0.0
 
 
 @jit(inline="always")
