@@ -21,7 +21,7 @@ from .bf16 import BF16Array
 from .gemm_blocking import BlockChoices, dw_variant, forward_transposed, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
 from .gemm_kernel import STREAM_KNOB, STREAM_MAX_K, gemm_into, stream_heuristic, write_mask
-from .gemm_pack import b_in_place
+from .gemm_pack import b_in_place, slab_mode
 from .gemm_passes import relu_grad, transpose_into
 from .workspace import empty_aligned, grad_buffer, transposed_buffer
 from .weight_grad import masked_grad_fits, masked_weight_grad
@@ -79,7 +79,7 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
         return whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2
 
     if not (one_panel_dw or strided_b) and k * 4 <= PAGE and one_block(k):
-        slab = variant not in ("linear_forward", "linear_forward_t") and not b_in_place(False, m, n, mr, nr)
+        slab = variant not in ("linear_forward", "linear_forward_t") and slab_mode(False, m, n, whole, mr, nr)
         if slab and k * n * 4 > t.l2 // 2:
             # B beyond half of L2 is packed a slab per pass (gemm_pack.slab_mode) with rows of
             # SLAB_ROW floats: passes of as many rows as that slab has in half of L2

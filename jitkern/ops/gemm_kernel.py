@@ -90,8 +90,8 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, 
     float32 mask, flat byte mask, both laid out as C), tile: MR * NR scratch for edge tiles, biasp:
     bias zero-padded to whole panels; blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (m, n, k,
     ps, bp0, jp0: the first row and panel of B in its packed panels); mode = (a_inplace, ta,
-    b_inplace, b_fused, load, epi, use_bias, relu, mask_mode); b_fused: B is (n, k), each panel's K-pass slice packed
-    into bp right before its tiles; nxt = (row, rows, col, cols): the block of B (k, n) the task
+    b_inplace, b_fused, load, epi, use_bias, relu, mask_mode); b_fused: B is (n, k), each panel's
+    K-pass slice packed into bp right before its tiles; nxt = (row, rows, col, cols): the block of B (k, n) the task
     packs next (a slab), hinted into L2 a share before each tile (rows 0: none).
     """
     mr, nr = tile_dims(code)
@@ -352,7 +352,8 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     if slab:
         nc = min(nc, slab_columns(min(kc, k), nr))
     npan = -(-n // nr)  # B's panels, the padded bias, then the tasks' regions
-    need = npan * (k * nr + 16) + npan * nr + 16 + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, nc, mr, nr, slab)
+    whole_b = 0 if slab else npan * (k * nr + 16)
+    need = whole_b + npan * nr + 16 + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, nc, mr, nr, slab)
     flags = (bool(ta), bool(tb), bias is not None, bool(relu), mode, slab)
     args = (a, b, c, _DUMMY if bias is None else bias, mf, mb, thread_buffer("ws", np.float32, need), (m, n, k),
             (np.float32(alpha), np.float32(beta)), (mc, kc, nc), flags)

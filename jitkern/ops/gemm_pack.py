@@ -84,18 +84,26 @@ def slab_mode(tb, m, n, mc, mr, nr):
 
 
 @jit(inline="always")
-def copy_run(dst, d, src, s, count):
-    """dst[d:d + count] = src[s:s + count] (float32), as whole vectors once count is a constant."""
-    q = 0
-    while q + 16 <= count:
-        vstore(dst, _u(d + q), vload(src, _u(s + q), 16))
-        q += 16
-    while q + 4 <= count:
-        vstore(dst, _u(d + q), vload(src, _u(s + q), 4))
-        q += 4
-    while q < count:
-        dst[_u(d + q)] = src[_u(s + q)]
-        q += 1
+def panel_row(dst, d, src, s, width, nr):
+    """dst[d:d + nr] = src[s:s + width] zero-padded to nr floats: one k row of a packed B panel. A
+    full row moves as whole vectors (nr is a constant once inlined): an element loop stays a scalar
+    load and store per float where LLVM cannot prove the two arrays apart."""
+    if width >= nr:
+        q = 0
+        while q + 16 <= nr:
+            vstore(dst, _u(d + q), vload(src, _u(s + q), 16))
+            q += 16
+        while q + 4 <= nr:
+            vstore(dst, _u(d + q), vload(src, _u(s + q), 4))
+            q += 4
+        while q < nr:
+            dst[_u(d + q)] = src[_u(s + q)]
+            q += 1
+    else:
+        for r in range(width):
+            dst[_u(d + r)] = src[_u(s + r)]
+        for r in range(width, nr):
+            dst[_u(d + r)] = 0.0
 
 
 @jit(inline="always")
@@ -105,19 +113,11 @@ def pack_b_slab(bs, bflat, cols, kpass, n, nr):
     cols = (j0, ncb, kc), kpass = (p0, kcb)."""
     j0, ncb, kc = cols
     p0, kcb = kpass
-    npan = (ncb + nr - 1) // nr
-    nfull = min(npan, (n - j0) // nr)
     ps = b_panel(kc, nr)
     for kk in range(kcb):
         row = (p0 + kk) * n + j0
-        for q in range(nfull):
-            copy_run(bs, q * ps + kk * nr, bflat, row + q * nr, nr)
-        for q in range(nfull, npan):  # the ragged last panel of B
-            width = n - j0 - q * nr
-            for r in range(width):
-                bs[_u(q * ps + kk * nr + r)] = bflat[_u(row + q * nr + r)]
-            for r in range(width, nr):
-                bs[_u(q * ps + kk * nr + r)] = 0.0
+        for q in range((ncb + nr - 1) // nr):
+            panel_row(bs, q * ps + kk * nr, bflat, row + q * nr, n - j0 - q * nr, nr)
 
 
 @jit(inline="always")
@@ -156,15 +156,7 @@ def pack_b_rows(bp, bflat, kb, geo, p_first, nr):
             col = row + p * nr
             if col + ahead < k * n:
                 prefetch_run(bflat, col + ahead, nr * 4)
-            if (p + 1) * nr <= n:
-                for r in range(nr):  # constant trip count: a vector copy
-                    bp[_u(base + r)] = bflat[_u(col + r)]
-            else:
-                width = n - p * nr
-                for r in range(width):
-                    bp[_u(base + r)] = bflat[_u(col + r)]
-                for r in range(width, nr):
-                    bp[_u(base + r)] = 0.0
+            panel_row(bp, base, bflat, col, n - p * nr, nr)
 
 
 @jit(inline="always")
