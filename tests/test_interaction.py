@@ -262,14 +262,20 @@ def test_knob_heuristics_are_the_fixed_choices(monkeypatch):
     assert K.FORWARD.choose((300, 27, 16)) == {"scheme": "transpose"}
     assert K.FORWARD.choose((300, 27, 128)) == {"scheme": "pairs" if vw > 1 and 128 >= 4 * vw else "transpose"}
     assert {"scheme": "transpose"} in K.FORWARD.candidates((300, 27, 128), False)
+    # hints where a row is one cache line
+    assert K.PREFETCH.choose((300, 27, 16)) == {"ahead": 2}
+    assert K.PREFETCH.choose((300, 27, 32)) == K.PREFETCH.choose((300, 27, 128)) == {"ahead": 0}
+    assert {"ahead": 0} in K.PREFETCH.candidates((300, 27, 16), True)
+    assert {"ahead": 2} in K.PREFETCH.candidates((300, 27, 128), True)
 
 
 @pytest.mark.parametrize("T, D", [(5, 13), (6, 32)])
 def test_every_lane_width_matches_the_reference_and_tuned_lanes_are_used(db, monkeypatch, T, D):
     """Each width a CPU's candidates hold (1, 4, 8 native; 16), forced through the tuning DB: same
     results as the reference, and bit-identical to each other (every lane sums its dot in d order).
-    Generic kernels (both shapes share one per width); D = 32 takes the 16 x 16 register transpose
-    at 16 lanes, D = 13 the padded rows at every width."""
+    Generic kernels (both shapes share one per width, the tuned prefetch distance pinned alike; the
+    heuristic's differs between them); D = 32 takes the 16 x 16 register transpose at 16 lanes,
+    D = 13 the padded rows at every width."""
     from jitkern.codegen import tunedb
     specs = _spy(monkeypatch, "_spec")
     rng = np.random.default_rng(T + D)
@@ -277,12 +283,13 @@ def test_every_lane_width_matches_the_reference_and_tuned_lanes_are_used(db, mon
     dz = rng.standard_normal((67, D + K.num_pairs(T + 1))).astype(np.float32)
     first = None
     tunedb.store("interaction.forward", K.FORWARD.shape_class((67, T + 1, D)), {"scheme": "transpose"})
+    tunedb.store("interaction.prefetch", K.PREFETCH.shape_class((67, T + 1, D)), {"ahead": 2})
     for w in (16, 8, 4, 1):
         tunedb.store("interaction.lanes", K.LANES.shape_class((67, T + 1, D)), {"lanes": w})
         specs.clear()
         z = _check_forward(x, ly, False, _as_list(ly))
         _check_backward(dz, x, ly, False)
-        assert {args[3] for args in specs} == {w}
+        assert {args[3:] for args in specs} == {(w, 2)}
         got = (z, *K.interaction_dot_backward(dz, x, ly))
         for a, b in zip(got, first or got):
             np.testing.assert_array_equal(a, b)
@@ -290,12 +297,13 @@ def test_every_lane_width_matches_the_reference_and_tuned_lanes_are_used(db, mon
 
 
 @given(B=st.integers(1, 30), T=st.integers(0, 30), D=st.integers(1, 140), self_interaction=st.booleans(),
-       slices=st.integers(1, 4), bf16=st.booleans(), seed=st.integers(0, 2**16))
+       slices=st.integers(1, 4), bf16=st.booleans(), ahead=st.sampled_from([0, 2]), seed=st.integers(0, 2**16))
 @settings(max_examples=40, deadline=None)
-def test_pairs_forward_matches_the_reference_on_any_batch_split(B, T, D, self_interaction, slices, bf16, seed):
+def test_pairs_forward_matches_the_reference_on_any_batch_split(B, T, D, self_interaction, slices, bf16, ahead, seed):
     """The pairs scheme, whatever the knob would choose here: every D (whole vectors or not, the
-    diagonal or not), bf16 inputs; batch slices run last to first, so a slice that wrote past its
-    last sample's pairs would spoil the next slice's first row; z's next row is a sentinel."""
+    diagonal or not), bf16 inputs, rows hinted or not; batch slices run last to first, so a slice
+    that wrote past its last sample's pairs would spoil the next slice's first row; z's next row is
+    a sentinel."""
     from jitkern.ops import BF16Array
     rng = np.random.default_rng(seed)
     x, ly = _inputs(rng, B, T, D)
@@ -306,7 +314,7 @@ def test_pairs_forward_matches_the_reference_on_any_batch_split(B, T, D, self_in
         x, ly = x.to_float32(), ly.to_float32()
     off = int(self_interaction)
     full = np.full((B + 1, D + K.num_pairs(T + 1, self_interaction)), 7.0, np.float32)
-    kernel = K.get_kernel(K._pairs_spec(T + 1))
+    kernel = K.get_kernel(K._pairs_spec(T + 1, ahead))
     cuts = [B * k // min(slices, B) for k in range(min(slices, B) + 1)]
     for b0, b1 in reversed(list(zip(cuts, cuts[1:]))):
         kernel(b0, b1, xx, addrs, stride, off, full[:B])
@@ -322,7 +330,7 @@ def test_pairs_forward_at_other_vector_widths(W):
     """The pairs kernel at the widths of other CPUs (SSE/NEON 4, AVX-512 16; LLVM splits or packs
     them here): vhsum4's other reduction trees, whole vectors and a partial last one."""
     from jitkern.codegen import KernelSpec
-    kernel = K.get_kernel(KernelSpec.make("interaction_dot_forward_pairs", F=0, W=W))
+    kernel = K.get_kernel(KernelSpec.make("interaction_dot_forward_pairs", F=0, W=W, ahead=2))
     rng = np.random.default_rng(W)
     for B, T, D, off in [(5, 5, 2 * W, 0), (4, 8, W + 3, 1), (3, 2, 1, 0), (6, 11, 3 * W - 1, 1)]:
         x, ly = _inputs(rng, B, T, D)
@@ -363,9 +371,10 @@ def test_tuner_stores_interaction_entries(db):
     threads = (1, 2) if numba.config.NUMBA_NUM_THREADS >= 2 else (1,)
     results = tune.tune(knobs.Workload(interactions=((256, 27, 16),), threads=threads), quick=True,
                         select="interaction.*", min_time=0, out=None)
-    assert {r.knob for r in results} == {"interaction.lanes", "interaction.forward", "interaction.parallel"}
+    assert {r.knob for r in results} == {"interaction.lanes", "interaction.forward", "interaction.prefetch",
+                                         "interaction.parallel"}
     stored = tunedb.entries()
-    assert stored["interaction.lanes"] and stored["interaction.forward"]
+    assert stored["interaction.lanes"] and stored["interaction.forward"] and stored["interaction.prefetch"]
     assert len(stored["interaction.parallel"]) == len(threads)
     for r in results:
         if r.knob == "interaction.parallel":

@@ -3,8 +3,9 @@
 The dot kernels (ops/interaction_kernel.py) work on one sample at a time; here: argument checks,
 the views they read in place, the split of the batch over threads (bit-identical for any thread
 count), and the per-CPU knobs: W (`interaction.lanes`: 16 on every vector ISA by default, i.e. one
-zmm, two ymm or four NEON registers; 1 for JITKERN_ISA=scalar) and the fewest samples per thread
-(`interaction.parallel`). Kernels take F and D as literals for the DLRM shapes (_SPECIALISED) and
+zmm, two ymm or four NEON registers; 1 for JITKERN_ISA=scalar), the forward's scheme
+(`interaction.forward`), how many samples ahead rows are hinted (`interaction.prefetch`) and the
+fewest samples per thread (`interaction.parallel`). Kernels take F and D as literals for the DLRM shapes (_SPECIALISED) and
 read them from the arguments otherwise: one generic kernel serves any shape.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..codegen.knobs import knob, memo_choices, pow2_class
 from ..codegen.vec import addr_of
 from . import _check, interaction_kernel  # noqa: F401  (registers the dot kernels' factories)
 from .bf16 import BF16Array
+from .workspace import LINE, staggered_blocks
 
 # (F, D) classes the DLRM benchmarks and models use get kernels with F and D as literals
 _SPECIALISED = {(27, 16), (27, 64), (27, 128), (9, 64)}
@@ -118,9 +120,9 @@ def _over_batch(kernel, B, n, *args):
         f.result()
 
 
-def _spec(op, F, D, W):
+def _spec(op, F, D, W, ahead):
     F_, D_ = (F, D) if (F, D) in _SPECIALISED else (0, 0)
-    return KernelSpec.make(op, F=F_, D=D_, W=W)
+    return KernelSpec.make(op, F=F_, D=D_, W=W, ahead=ahead)
 
 
 @memo_choices
@@ -130,15 +132,23 @@ def _chosen(op, B, F, D, threads):
     n = 1
     if threads > 1:
         n = max(1, min(threads, B // PARALLEL.choose((B, F, D, threads))["min_per_thread"]))
-    if op == "interaction_dot_forward" and FORWARD.choose((B, F, D))["scheme"] == "pairs":
-        return get_kernel(_pairs_spec(F)), n
-    return get_kernel(_spec(op, F, D, LANES.choose((B, F, D))["lanes"])), n
+    return get_kernel(_kernel_spec(op, (B, F, D))), n
 
 
-def _pairs_spec(F):
+def _kernel_spec(op, problem, ahead=None, scheme=None):
+    """The spec of op's kernel for problem (B, F, D) with the knobs' choices, or the ahead / scheme given."""
+    B, F, D = problem
+    ahead = PREFETCH.choose(problem)["ahead"] if ahead is None else ahead
+    if op == "interaction_dot_forward" and (scheme or FORWARD.choose(problem)["scheme"]) == "pairs":
+        return _pairs_spec(F, ahead)
+    return _spec(op, F, D, LANES.choose(problem)["lanes"], ahead)
+
+
+def _pairs_spec(F, ahead):
     # the pairs kernel reads D from its arguments (interaction_kernel: a literal D spills its tile)
     literal = any(f == F for f, _ in _SPECIALISED)
-    return KernelSpec.make("interaction_dot_forward_pairs", F=F if literal else 0, W=host_target().vector_width)
+    return KernelSpec.make("interaction_dot_forward_pairs", F=F if literal else 0, W=host_target().vector_width,
+                           ahead=ahead)
 
 
 def _run(op, B, F, D, *args):
@@ -166,8 +176,9 @@ def _dot_pass(B, F, D, W):
     x, keep, addrs, stride, _ = _features(x, ly)
     z = np.empty((B, D + num_pairs(F)), np.float32)
     dx, dly = np.empty((B, D), np.float32), np.empty((F - 1, B, D), np.float32)
-    fwd = get_kernel(_spec("interaction_dot_forward", F, D, W))
-    bwd = get_kernel(_spec("interaction_dot_backward", F, D, W))
+    ahead = PREFETCH.choose((B, F, D))["ahead"]
+    fwd = get_kernel(_spec("interaction_dot_forward", F, D, W, ahead))
+    bwd = get_kernel(_spec("interaction_dot_backward", F, D, W, ahead))
 
     def run(n, keep=keep):
         _over_batch(fwd, B, n, x, addrs, stride, 0, z)
@@ -207,10 +218,7 @@ def _forward_runner(problem, params):
     x, ly, _ = _example(B, F, D)
     x, keep, addrs, stride, _ = _features(x, ly)
     z = np.empty((B, D + num_pairs(F)), np.float32)
-    if params["scheme"] == "pairs":
-        kernel = get_kernel(_pairs_spec(F))
-    else:
-        kernel = get_kernel(_spec("interaction_dot_forward", F, D, LANES.choose(problem)["lanes"]))
+    kernel = get_kernel(_kernel_spec("interaction_dot_forward", problem, scheme=params["scheme"]))
     return lambda keep=keep: kernel(0, B, x, addrs, stride, 0, z)
 
 
@@ -220,6 +228,48 @@ FORWARD = knob("interaction.forward", doc="the dot interaction's forward scheme:
                problems=lambda w: w.interactions,
                candidates=lambda p, quick: [{"scheme": "transpose"}] + ([{"scheme": "pairs"}] if host_target().vector_width > 1 else []),
                runner=_forward_runner)
+
+def _prefetch_heuristic(problem):
+    # hints where a sample's row is one line: each table's stream then advances a line a sample,
+    # too slowly for the hardware streamer (Zen 4, kaggle's D = 16: the step's interaction 3.6 ->
+    # 3.3 ms). Rows of several lines it follows, and 27 hints a line only cost (Zen 3, D = 64 and
+    # 128: 10-15% slower with them)
+    B, F, D = problem
+    return {"ahead": 2 if 4 * D <= LINE else 0}
+
+
+def _cold_runner(problem, params):
+    """fn(): forward then backward of a (B, F, D) interaction with rows hinted params["ahead"] samples
+    on, each call on the next of enough input sets to fill twice the last-level cache, so that
+    every call finds its operands in DRAM as a training step's interaction does."""
+    B, F, D = problem
+    P = num_pairs(F)
+    per_set = 4 * B * (2 * F * D + 2 * (D + P))
+    sets = []
+    for _ in range(max(2, -(-2 * host_target().l3 // per_set))):
+        x, ly = np.full((B, D), 0.5, np.float32), staggered_blocks(F - 1, (B, D))
+        ly[...] = 0.25
+        x, keep, addrs, stride, _ = _features(x, list(ly))
+        out = (np.full((B, D + P), 0.0, np.float32), np.full((B, D), 0.0, np.float32),
+               np.full((F - 1, B, D), 0.0, np.float32))  # written: no page faults in the timed calls
+        sets.append((x, keep, addrs, stride, np.full((B, D + P), 0.125, np.float32), out))
+    fwd = get_kernel(_kernel_spec("interaction_dot_forward", problem, ahead=params["ahead"]))
+    bwd = get_kernel(_kernel_spec("interaction_dot_backward", problem, ahead=params["ahead"]))
+    turn = [0]
+
+    def run():
+        x, _, addrs, stride, dz, (z, dx, dly) = sets[turn[0] % len(sets)]
+        turn[0] += 1
+        fwd(0, B, x, addrs, stride, 0, z)
+        bwd(0, B, dz, x, addrs, stride, 0, dx, dly)
+    return run
+
+
+PREFETCH = knob("interaction.prefetch", doc="samples ahead whose rows the dot interaction kernels hint into L2 (0: none)",
+                heuristic=_prefetch_heuristic, shape_class=lambda p: pow2_class(*p[1:]),
+                problems=lambda w: w.interactions,
+                candidates=lambda p, quick: [{"ahead": a} for a in ((0, 2) if quick else (0, 1, 2, 4))],
+                runner=_cold_runner)
 
 _MIN_PER_THREAD = 32  # fewest samples worth handing to another thread: a hand-off costs tens of us
 _PER_THREAD = (8, 16, 32, 64, 128, 256)  # samples per thread the search tries

@@ -14,7 +14,8 @@ vectors into a small scratch and does all its work there; the batch is split acr
             pairs) where D spans several vectors.
   backward: dT = S @ T with S the symmetric F x F matrix of dz's triangle (instead of the
             reference's dZ @ T + dZ^T @ T), read from dz in place; a 4-row x W-lane register tile.
-Both hint the rows of the sample AHEAD samples on into L2 (inside a step they come from L3 or DRAM).
+All three hint the rows of the sample `ahead` samples on into L2 (spec; 0: no hints), the knob
+interaction.prefetch (interaction.py).
 The vectors are LLVM `<W x float>` values made available to numba by codegen/vec.py, so LLVM keeps
 the accumulators in registers. Kernels take F and D as literals for the DLRM shapes
 (interaction._SPECIALISED) and read them from the arguments otherwise: one generic kernel serves
@@ -91,12 +92,6 @@ def _transpose_sample(tt, x, addrs, b, stride, bufs, geo):
                 tt[d * Fp + t + 1] = widen(row[d])
 
 
-# Samples ahead whose rows are hinted: a sample's F input rows (and, backward, its F - 1 gradient
-# rows) are as many streams, more than the hardware prefetchers follow, so inside a training step,
-# where other stages have pushed them out to L3 or DRAM, each would be a demand miss
-AHEAD = 2
-
-
 @jit(inline="always")
 def _prefetch_sample(x, addrs, b, stride, T, D):
     """Hint sample b's rows (x[b], then ly_t[b] at byte address addrs[t] + itemsize * b * stride)
@@ -112,6 +107,7 @@ def _prefetch_sample(x, addrs, b, stride, T, D):
 @kernel_factory("interaction_dot_forward")
 def _dot_forward_factory(spec):
     FC, DC, W = spec["F"], spec["D"], spec["W"]  # F, D: literals, or 0 = read from the arguments
+    AHEAD = spec["ahead"]  # the sample whose rows are hinted, this many on; 0: none
 
     @jit()
     def dot_forward(b0, b1, x, addrs, stride, off, z):
@@ -132,7 +128,7 @@ def _dot_forward_factory(spec):
         rowaddr[F:] = addr_of(zeros)
         wrows = np.empty(F * D if x.itemsize != 4 else 0, np.float32)
         for b in range(b0, b1):
-            if b + AHEAD < b1:
+            if AHEAD > 0 and b + AHEAD < b1:
                 _prefetch_sample(x, addrs, b + AHEAD, stride, F - 1, D)
             for d in range(D):
                 put(z, (b, d), widen(x[b, d]))
@@ -161,6 +157,7 @@ def _dot_forward_factory(spec):
 def _pairs_forward_factory(spec):
     FC, W = spec["F"], spec["W"]  # F: a literal, or 0 = read from the arguments; D is always read:
     #                              a literal D lets LLVM unroll the D loop whole and spill the tile
+    AHEAD = spec["ahead"]
 
     @jit(nrt=False)  # no reference counts in the tile loop
     def pairs(b0, b1, x, addrs, stride, off, zf, nz, buf, rowaddr, last):
@@ -175,7 +172,7 @@ def _pairs_forward_factory(spec):
         step = 4 * W
         reach = max(Dp, nz + 3)  # how far past its start a sample's stores may reach
         for b in range(b0, b1):
-            if b + AHEAD < b1:
+            if AHEAD > 0 and b + AHEAD < b1:
                 _prefetch_sample(x, addrs, b + AHEAD, stride, F - 1, D)
             for j0 in range(0, D0, W):  # the sample's rows into buf as float32
                 vstore(buf, j0, vget(x, b * D + j0, W))
@@ -292,6 +289,7 @@ def _store_rows(g, dzf, dx, dly, b, F, D, Dp):
 @kernel_factory("interaction_dot_backward")
 def _dot_backward_factory(spec):
     FC, DC, W = spec["F"], spec["D"], spec["W"]
+    AHEAD = spec["ahead"]
 
     @jit()
     def dot_backward(b0, b1, dz, x, addrs, stride, off, dx, dly):
@@ -310,7 +308,7 @@ def _dot_backward_factory(spec):
         dzf, dxf, dlyf = dz.reshape(dz.size), dx.reshape(dx.size), dly.reshape(dly.size)
         full = D == Dp  # rows go straight to dx / dly; else through g (pad lanes must not be stored)
         for b in range(b0, b1):
-            if b + AHEAD < b1:
+            if AHEAD > 0 and b + AHEAD < b1:
                 _prefetch_sample(x, addrs, b + AHEAD, stride, F - 1, D)
                 for t in range(F - 1):  # its gradient rows, one stream per table
                     for o in range(0, D * 4, 64):

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 
 _SCRATCH = threading.local()
-_LINE = 64
+LINE = 64  # bytes in a cache line (x86 and most aarch64 cores)
 _HUGE_PAGE = 2 << 20
 HUGE_STREAMED = _HUGE_PAGE  # arrays read whole every step (MLP weights, their gradients) gain from here
 
@@ -32,8 +32,8 @@ def empty_aligned(shape, dtype=np.float32, *, huge_from: int = HUGE_STREAMED) ->
         except (OSError, ValueError, AttributeError):
             m = None
     if m is None:
-        raw = np.empty(nbytes + _LINE, np.uint8)
-        start = -raw.ctypes.data % _LINE
+        raw = np.empty(nbytes + LINE, np.uint8)
+        start = -raw.ctypes.data % LINE
     else:
         raw = np.frombuffer(m, np.uint8)  # the array keeps the mapping alive
         start = -raw.ctypes.data % _HUGE_PAGE  # 2 MiB aligned, so every whole huge page can be one
@@ -74,7 +74,7 @@ def staggered_blocks(count: int, shape, dtype=np.float32) -> np.ndarray:
     shape = tuple(int(s) for s in np.atleast_1d(shape))
     size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     row = (shape[-1] if shape else 1) * dtype.itemsize
-    step = (-(-row // _LINE) * _LINE + _LINE) % 4096 or _LINE
+    step = (-(-row // LINE) * LINE + LINE) % 4096 or LINE
     stride = -(-size // 4096) * 4096 + step
     total = max(count - 1, 0) * stride + size
     raw = np.empty(total + 4096, np.uint8)  # malloc's: reused from call to call, unlike a mapping
