@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -135,13 +136,14 @@ def _chosen(op, B, F, D, threads):
     return get_kernel(_kernel_spec(op, (B, F, D))), n
 
 
-def _kernel_spec(op, problem, ahead=None, scheme=None):
-    """The spec of op's kernel for problem (B, F, D) with the knobs' choices, or the ahead / scheme given."""
+def _kernel_spec(op, problem, *, ahead=None, scheme=None, lanes=None):
+    """The spec of op's kernel for problem (B, F, D): the knobs' choices, but the ahead / scheme /
+    lanes given."""
     B, F, D = problem
     ahead = PREFETCH.choose(problem)["ahead"] if ahead is None else ahead
     if op == "interaction_dot_forward" and (scheme or FORWARD.choose(problem)["scheme"]) == "pairs":
         return _pairs_spec(F, ahead)
-    return _spec(op, F, D, LANES.choose(problem)["lanes"], ahead)
+    return _spec(op, F, D, LANES.choose(problem)["lanes"] if lanes is None else lanes, ahead)
 
 
 def _pairs_spec(F, ahead):
@@ -176,9 +178,8 @@ def _dot_pass(B, F, D, W):
     x, keep, addrs, stride, _ = _features(x, ly)
     z = np.empty((B, D + num_pairs(F)), np.float32)
     dx, dly = np.empty((B, D), np.float32), np.empty((F - 1, B, D), np.float32)
-    ahead = PREFETCH.choose((B, F, D))["ahead"]
-    fwd = get_kernel(_spec("interaction_dot_forward", F, D, W, ahead))
-    bwd = get_kernel(_spec("interaction_dot_backward", F, D, W, ahead))
+    fwd = get_kernel(_kernel_spec("interaction_dot_forward", (B, F, D), scheme="transpose", lanes=W))
+    bwd = get_kernel(_kernel_spec("interaction_dot_backward", (B, F, D), lanes=W))
 
     def run(n, keep=keep):
         _over_batch(fwd, B, n, x, addrs, stride, 0, z)
@@ -238,28 +239,47 @@ def _prefetch_heuristic(problem):
     return {"ahead": 2 if 4 * D <= LINE else 0}
 
 
+class _Sets(list):
+    """Input sets of one problem, shared by its candidates' runners with one position: a candidate
+    timed next takes the next sets, never the ones the previous candidate just cached."""
+    __slots__ = ("at", "__weakref__")
+
+
+_SETS = weakref.WeakValueDictionary()  # problem -> _Sets some runner still holds
+
+
+def _input_sets(problem):
+    """Enough (x, ly keep-alive, addrs, stride, dz, (z, dx, dly)) sets of a (B, F, D) interaction to
+    fill twice the last-level cache, every page written (no page faults in timed calls)."""
+    sets = _SETS.get(problem)
+    if sets is None:
+        B, F, D = problem
+        P = num_pairs(F)
+        per_set = 4 * B * (2 * F * D + 2 * (D + P))
+        sets = _SETS[problem] = _Sets()
+        sets.at = 0
+        for _ in range(max(2, -(-2 * host_target().l3 // per_set))):
+            ly = staggered_blocks(F - 1, (B, D))
+            ly[...] = 0.25
+            x, keep, addrs, stride, _ = _features(np.full((B, D), 0.5, np.float32), list(ly))
+            out = (np.full((B, D + P), 0.0, np.float32), np.full((B, D), 0.0, np.float32),
+                   np.full((F - 1, B, D), 0.0, np.float32))
+            sets.append((x, keep, addrs, stride, np.full((B, D + P), 0.125, np.float32), out))
+    return sets
+
+
 def _cold_runner(problem, params):
     """fn(): forward then backward of a (B, F, D) interaction with rows hinted params["ahead"] samples
-    on, each call on the next of enough input sets to fill twice the last-level cache, so that
-    every call finds its operands in DRAM as a training step's interaction does."""
-    B, F, D = problem
-    P = num_pairs(F)
-    per_set = 4 * B * (2 * F * D + 2 * (D + P))
-    sets = []
-    for _ in range(max(2, -(-2 * host_target().l3 // per_set))):
-        x, ly = np.full((B, D), 0.5, np.float32), staggered_blocks(F - 1, (B, D))
-        ly[...] = 0.25
-        x, keep, addrs, stride, _ = _features(x, list(ly))
-        out = (np.full((B, D + P), 0.0, np.float32), np.full((B, D), 0.0, np.float32),
-               np.full((F - 1, B, D), 0.0, np.float32))  # written: no page faults in the timed calls
-        sets.append((x, keep, addrs, stride, np.full((B, D + P), 0.125, np.float32), out))
+    on, each call on the next input set (_input_sets), so that every call finds its operands in
+    DRAM as a training step's interaction does."""
+    B = problem[0]
+    sets = _input_sets(problem)
     fwd = get_kernel(_kernel_spec("interaction_dot_forward", problem, ahead=params["ahead"]))
     bwd = get_kernel(_kernel_spec("interaction_dot_backward", problem, ahead=params["ahead"]))
-    turn = [0]
 
-    def run():
-        x, _, addrs, stride, dz, (z, dx, dly) = sets[turn[0] % len(sets)]
-        turn[0] += 1
+    def run(sets=sets):
+        x, _, addrs, stride, dz, (z, dx, dly) = sets[sets.at]
+        sets.at = (sets.at + 1) % len(sets)
         fwd(0, B, x, addrs, stride, 0, z)
         bwd(0, B, dz, x, addrs, stride, 0, dx, dly)
     return run
