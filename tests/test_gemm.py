@@ -430,6 +430,113 @@ def test_b_read_in_place_matches_b_packed(n, k):
         assert_close(packed, a.astype(np.float64) @ b.astype(np.float64), np.abs(a).max() * np.abs(b).max(), k)
 
 
+STRIDED_ISAS = ["host", "scalar"] + (["avx2"] if host_target().detected_isa == "avx512" else [])
+
+
+def _in_wider(rng, x, pad):
+    """x copied into columns off .. off + w of a wider random array: a view whose rows are
+    pad floats further apart than its width (pad 0: x itself)."""
+    if pad == 0:
+        return x
+    rows, w = x.shape
+    off = int(rng.integers(0, pad + 1))
+    wide = arrays(rng, rows, w + pad)
+    view = wide[:, off:off + w]
+    view[...] = x
+    return view
+
+
+@pytest.mark.parametrize("isa", STRIDED_ISAS)
+@given(m=dims, n=dims, k=dims, ta=st.booleans(), tb=st.booleans(), pads=st.tuples(*[st.sampled_from([0, 1, 3, 16, 29])] * 3),
+       stride512=st.booleans(), mc=st.sampled_from([1, 2, 1000]), kc=st.sampled_from([8, 64, 512]),
+       ncp=st.sampled_from([1, 3, 1000]), alpha=st.sampled_from([1.0, -0.5]), beta=st.sampled_from([0.0, 1.0, -1.5]),
+       bias=st.booleans(), relu=st.booleans(), masked=st.sampled_from([None, "mask", "mask_out"]), seed=st.integers(0, 99))
+def test_row_strided_operands_give_the_bits_of_their_contiguous_copies(isa, m, n, k, ta, tb, pads, stride512, mc, kc,
+                                                                        ncp, alpha, beta, bias, relu, masked, seed):
+    # A, B and C as column slices of wider arrays are read and written at their row strides (B's
+    # stride, a 2 KiB multiple or not, decides whether its rows are read in place or packed; a
+    # single row block packs slabs, a transposed B fused panels, long K passes by pass): the same
+    # FMA chains as on contiguous copies with the same blocks, so the same bits, and nothing
+    # outside C's columns is written. Masks and the matrix-vector paths take contiguous copies.
+    rng = np.random.default_rng(seed)
+    a, b = arrays(rng, k, m) if ta else arrays(rng, m, k), arrays(rng, n, k) if tb else arrays(rng, k, n)
+    c0, bv = arrays(rng, m, n), arrays(rng, n) if bias else None
+    pa, pb, pc = pads
+    if stride512 and not tb:  # B's rows 512 floats apart: packed where a contiguous B of n columns is read in place
+        pb = 512 - n % 512 if n % 512 else 0
+    with isa_switch.isa(isa):
+        mr, nr, _ = G.tile_shape()
+        blocks = G.shape_blocks({"mc": mc * mr, "kc": kc}, m, n, k, 1)
+        blocks = (blocks[0], blocks[1], min(blocks[2], ncp * nr))
+        mask = arrays(rng, m, n) if masked == "mask" else None
+        outs = [np.zeros((m, n), np.bool_) if masked == "mask_out" else None for _ in range(2)]
+        kw = dict(alpha=alpha, beta=beta, bias=bv, relu=relu, mask=mask)
+        want = G.gemm_into(a, b, c0.copy(), ta, tb, blocks, mask_out=outs[0], **kw)
+        av, bv_, cv = _in_wider(rng, a, pa), _in_wider(rng, b, pb), _in_wider(rng, c0.copy(), pc)
+        around = None if cv.base is None else cv.base.copy()
+        got = G.gemm_into(av, bv_, cv, ta, tb, blocks, mask_out=outs[1], **kw)
+    assert got is cv
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    if masked == "mask_out":
+        np.testing.assert_array_equal(outs[1], outs[0])
+    if around is not None:  # the wider array changed in C's columns only
+        off = (cv.ctypes.data - cv.base.ctypes.data) // 4
+        around[:, off:off + n] = cv
+        np.testing.assert_array_equal(cv.base.view(np.uint32), around.view(np.uint32))
+
+
+# (m, n, k, tb, row blocks, kc, B's row stride - n): one case per way the driver takes B
+B_PATHS = {"in place": (40, 300, 260, False, 1, 64, 10), "2 KiB rows packed": (40, 300, 260, False, 1, 64, 212),
+           "slab": (200, 300, 260, False, 1, 64, 10), "packed whole": (200, 300, 260, False, 9, 64, 10),
+           "packed by pass": (120, 300, 700, False, 5, 64, 10), "fused transposed": (40, 70, 300, True, 1, 64, 9),
+           "transposed packed whole": (200, 70, 300, True, 9, 64, 9)}
+
+
+@pytest.mark.parametrize("isa", STRIDED_ISAS)
+@pytest.mark.parametrize("path", B_PATHS)
+@pytest.mark.parametrize("ta", [False, True])
+def test_every_b_path_reads_row_strided_operands(isa, path, ta):
+    # each of the driver's ways to take B (read in place, packed whole, by K pass, per task's slab,
+    # per panel when transposed) on operands and an output whose rows are wider apart than they
+    # are long: the bits of their contiguous copies
+    m, n, k, tb, nblocks, kc, pad = B_PATHS[path]
+    rng = np.random.default_rng(len(path))
+    with isa_switch.isa(isa):
+        mr, nr, _ = G.tile_shape()
+        blocks = G.shape_blocks({"mc": G._round_to(-(-m // nblocks), mr), "kc": kc}, m, n, k, 1)
+        if path == "slab":
+            assert GK.use_slab(False, m, n + pad, blocks[0], mr, nr)
+        a, b = arrays(rng, k, m) if ta else arrays(rng, m, k), arrays(rng, n, k) if tb else arrays(rng, k, n)
+        c0 = arrays(rng, m, n)
+        kw = dict(alpha=-0.5, beta=1.0, bias=arrays(rng, n), relu=True)
+        want = G.gemm_into(a, b, c0.copy(), ta, tb, blocks, **kw)
+        got = G.gemm_into(_in_wider(rng, a, 5), _in_wider(rng, b, pad), _in_wider(rng, c0.copy(), 3), ta, tb, blocks,
+                          **kw)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_gemm_op_takes_column_slices_in_place():
+    # the public op reads column slices of a wider array (or their transposes) and writes into one:
+    # out is the view itself, every other column keeps its bits, and the overlap check tells
+    # sibling slices of one array from overlapping ones
+    rng = np.random.default_rng(5)
+    buf = arrays(rng, 70, 300)
+    a, b, out = buf[:, :40], buf[:40, 100:140], buf[:, 250:290]
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    before = buf.copy()
+    assert gemm(a, b, out=out) is out
+    before[:, 250:290] = out
+    np.testing.assert_array_equal(buf.view(np.uint32), before.view(np.uint32))
+    assert_close(out, a64 @ b64, np.abs(a64) @ np.abs(b64), 40)
+    with pytest.raises(ValueError, match="out must not overlap the inputs"):
+        gemm(a, b, out=buf[:, 20:60])
+    t = buf[:40, 100:233].T  # (133, 40), its columns contiguous: taken transposed, in place
+    t64 = t.astype(np.float64)
+    assert_close(gemm(t, t, trans_b=True), t64 @ t64.T, np.abs(t64) @ np.abs(t64).T, 40)
+    with pytest.raises(ValueError, match="out must be row-contiguous"):
+        gemm(a, b, out=np.zeros((70, 80), np.float32)[:, ::2])
+
+
 @pytest.mark.parametrize("m,n", [(2048, 256), (7, 33), (2, 2)])
 @pytest.mark.parametrize("alpha", [1.0, -0.5])
 def test_k1_outer_product_path_with_every_epilogue(m, n, alpha):
@@ -531,7 +638,7 @@ def test_validation_names_the_argument():
         gemm(f32, f32)
     with pytest.raises(ValueError, match="out must have shape"):
         gemm(f32, f32.T, np.empty((3, 3), np.float32))
-    with pytest.raises(ValueError, match="out must be C-contiguous"):
+    with pytest.raises(ValueError, match="out must be row-contiguous"):
         gemm(f32, f32.T, np.empty((4, 8), np.float32)[:, ::2])
     sq = np.ones((4, 4), np.float32)
     with pytest.raises(ValueError, match="out must not overlap"):

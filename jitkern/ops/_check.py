@@ -21,8 +21,9 @@ def _dtype_name(x) -> str:
     return str(getattr(x, "dtype", type(x).__name__))
 
 
-def float_array(name, x, *, ndim=None, shape=None, copy=True, writeable=False, dtype=F32):
-    """x as an aligned C-contiguous array of `dtype` (float32 by default).
+def float_array(name, x, *, ndim=None, shape=None, copy=True, writeable=False, dtype=F32, rows=False):
+    """x as an aligned C-contiguous array of `dtype` (float32 by default), or with `rows` any
+    row_strided x as it is.
 
     ndim / shape: required rank / exact shape. A non-contiguous x is copied when `copy`, else an
     error (for arrays an op writes in place). `writeable`: x is an output or updated in place.
@@ -38,11 +39,22 @@ def float_array(name, x, *, ndim=None, shape=None, copy=True, writeable=False, d
     f = x.flags  # one flags object: these checks run per call per table
     if writeable and not f.writeable:
         raise ValueError(f"{name} must be writeable (it is written in place)")
-    if f.c_contiguous and f.aligned:
+    if f.aligned and (f.c_contiguous or rows and row_strided(x)):
         return x
     if not copy:
-        raise ValueError(f"{name} must be C-contiguous and aligned (it is written in place)")
+        what = "rows contiguous" if rows else "C-contiguous"
+        raise ValueError(f"{name} must be {what} and aligned (it is written in place)")
     return np.array(x, order="C")
+
+
+def row_strided(x) -> bool:
+    """Whether 2-D x keeps each row contiguous, its rows at any stride of whole elements no shorter than a
+    row (a C-contiguous array, or a column slice of one): what the GEMM driver reads and writes
+    in place, as BLAS's leading dimensions."""
+    if x.ndim != 2:
+        return False
+    (r, w), (s0, s1), item = x.shape, x.strides, x.itemsize
+    return (w <= 1 or s1 == item) and (r <= 1 or (s0 % item == 0 and s0 >= w * item))
 
 
 def bf16_array(name, x, *, ndim=None, shape=None):
@@ -109,19 +121,37 @@ def choice(name, v, choices):
     return v
 
 
+def _overlap(a, b) -> bool:
+    """Whether a and b share an element: their bounds decide for contiguous arrays; strided ones (a
+    column slice beside another of the same buffer) are solved exactly, and count as overlapping
+    where that is too hard."""
+    if not np.may_share_memory(a, b):
+        return False
+    if a.flags.c_contiguous and b.flags.c_contiguous:
+        return True
+    try:
+        return bool(np.shares_memory(a, b, max_work=1 << 16))
+    except np.exceptions.TooHardError:
+        return True
+
+
 def no_overlap(name, out, *inputs, what="the inputs"):
     """Reject `out` sharing memory with any input (kernels write it while reading them)."""
-    if any(x is not None and np.may_share_memory(out, x) for x in inputs):
+    if any(x is not None and _overlap(out, x) for x in inputs):
         raise ValueError(f"{name} must not overlap {what}")
     return out
 
 
-def output(name, out, shape, *inputs, dtype=F32):
-    """A caller-given output: exact dtype and shape, C-contiguous, writeable, not overlapping inputs."""
+def output(name, out, shape, *inputs, dtype=F32, rows=False):
+    """A caller-given output: exact dtype and shape, C-contiguous (or with `rows` row_strided and
+    aligned), writeable, not overlapping inputs."""
     if not isinstance(out, np.ndarray) or out.dtype != dtype:
         raise TypeError(f"{name} must be a {np.dtype(dtype)} numpy.ndarray, got {_dtype_name(out)}")
     if out.shape != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {out.shape}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(f"{name} must be C-contiguous and writeable")
+    f = out.flags
+    if not f.writeable:
+        raise ValueError(f"{name} must be writeable")
+    if not (f.c_contiguous or rows and f.aligned and row_strided(out)):
+        raise ValueError(f"{name} must be {'row-contiguous' if rows else 'C-contiguous'}")
     return no_overlap(name, out, *inputs)

@@ -247,11 +247,14 @@ def _run(a, b, c, ta, tb, op, **kw):
 # --------------------------------------------------------------------------- validation
 
 
-def _operand(name, x, trans):
-    """A 2-D float32 operand and its transposition flag; an F-ordered view flips the flag, no copy."""
+def _operand(name, x, trans, rows=False):
+    """A 2-D float32 operand and its transposition flag; an F-ordered view flips the flag, no copy.
+    With `rows`, any view with contiguous rows (_check.row_strided) or columns is taken as it is."""
     if isinstance(x, np.ndarray) and x.ndim == 2 and not x.flags.c_contiguous and x.T.flags.c_contiguous:
         return _check.float_array(name, x.T, ndim=2), not trans
-    return _check.float_array(name, x, ndim=2), trans
+    if rows and isinstance(x, np.ndarray) and x.ndim == 2 and not _check.row_strided(x) and _check.row_strided(x.T):
+        return _check.float_array(name, x.T, ndim=2, rows=True), not trans
+    return _check.float_array(name, x, ndim=2, rows=rows), trans
 
 
 def _activation(activation) -> bool:
@@ -269,14 +272,16 @@ def _fp32_only(name, dtype):
 def gemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, out_dtype=None):
     """out = alpha * op(a) @ op(b) + beta * out; a: (M, K) or (K, M), b: (K, N) or (N, K) float32.
 
-    With BF16Array a and b: bf16 operands, fp32 accumulation, out float32 or bf16 (out_dtype).
+    Views whose rows (or columns) are contiguous, as slices of a wider array's columns, are read and
+    written in place at their row strides (BLAS's leading dimensions): no copy. With BF16Array a
+    and b: bf16 operands, fp32 accumulation, out float32 or bf16 (out_dtype).
     """
     if isinstance(a, BF16Array) or isinstance(b, BF16Array):
         return gemm_bf16.gemm(a, b, out, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta,
                               out_dtype=out_dtype)
     _fp32_only("out_dtype", out_dtype)
-    a, ta = _operand("a", a, bool(trans_a))
-    b, tb = _operand("b", b, bool(trans_b))
+    a, ta = _operand("a", a, bool(trans_a), rows=True)
+    b, tb = _operand("b", b, bool(trans_b), rows=True)
     alpha, beta = _check.real("alpha", alpha), _check.real("beta", beta)
     m, ka = (a.shape[1], a.shape[0]) if ta else a.shape
     kb, n = (b.shape[1], b.shape[0]) if tb else b.shape
@@ -285,7 +290,7 @@ def gemm(a, b, out=None, *, trans_a=False, trans_b=False, alpha=1.0, beta=0.0, o
     if out is None:
         out, beta = np.empty((m, n), np.float32), 0.0
     else:
-        _check.output("out", out, (m, n), a, b)
+        _check.output("out", out, (m, n), a, b, rows=True)
     return _run(a, b, out, ta, tb, "gemm", alpha=alpha, beta=beta)
 
 

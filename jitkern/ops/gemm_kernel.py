@@ -41,12 +41,12 @@ log = logging.getLogger("jitkern")
 
 
 @jit(inline="always")
-def _scale_block(c, blk, beta):
-    """C block *= beta (before its first K pass); blk = (i0, mcb, j0, ncb)."""
+def _scale_block(cf, ldc, blk, beta):
+    """C block *= beta (before its first K pass); cf: flat C, row stride ldc; blk = (i0, mcb, j0, ncb)."""
     i0, mcb, j0, ncb = blk
     for i in range(i0, i0 + mcb):
         for j in range(j0, j0 + ncb):
-            c[i, j] *= beta
+            cf[_u(i * ldc + j)] *= beta
 
 
 @jit(inline="always")
@@ -89,7 +89,8 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, 
     a_src = (flat A, packed A block), b_src = (packed B panels, flat B), c_dst = (flat C, flat
     float32 mask, flat byte mask, both laid out as C), tile: MR * NR scratch for edge tiles, biasp:
     bias zero-padded to whole panels; blk = (i0, mcb, j0, ncb), kpass = (p0, kcb), geo = (m, n, k,
-    ps, bp0, jp0: the first row and panel of B in its packed panels); mode = (a_inplace, ta,
+    ps, bp0, jp0: the first row and panel of B in its packed panels, lda, ldb, ldc: the row strides
+    of A's, B's and C's storage; the masks are laid out as C); mode = (a_inplace, ta,
     b_inplace, b_fused, load, epi, use_bias, relu, mask_mode); b_fused: B is (n, k), each panel's
     K-pass slice packed into bp right before its tiles; nxt = (row, rows, col, cols): the block of B (k, n) the task
     packs next (a slab), hinted into L2 a share before each tile (rows 0: none).
@@ -100,7 +101,7 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, 
     cf, maskf, maskb = c_dst
     i0, mcb, j0, ncb = blk
     p0, kcb = kpass
-    m, n, k, ps, bp0, jp0 = geo
+    m, n, k, ps, bp0, jp0, lda, ldb, ldc = geo
     a_inplace, ta, b_inplace, b_fused, load, epi, use_bias, relu, mask_mode = mode
     masking = mask_mode & (STREAM - 1) if epi else NO_MASK  # STREAM: full tiles only, in the last pass
     flags = (load, epi, use_bias, relu, masking)
@@ -112,14 +113,14 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, 
         jj = jp * nr
         nrem = min(nr, n - jj)
         if b_fused:  # bp: this task's one-panel buffer
-            pack_b_panel(bp, bflat, jp, kpass, (n, k), nr)
+            pack_b_panel(bp, bflat, jp, kpass, (n, k, ldb), nr)
             b_op = (bp, 0, nr)
         elif not b_inplace:
             b_op = (bp, (jp - jp0) * ps + (p0 - bp0) * nr, nr)
         elif nrem < nr:  # the ragged last panel, packed alone
             b_op = (bp, p0 * nr, nr)
         else:
-            b_op = (bflat, p0 * n + jj, n)
+            b_op = (bflat, p0 * ldb + jj, ldb)
         ahead = b_inplace and not b_fused and jj + 2 * nr <= min(n, j0 + ncb)  # the next panel: full, ours
         for ip in range(nip):
             ii = i0 + ip * mr
@@ -127,25 +128,26 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, 
             if nrows > 0:
                 q = (jp - j0 // nr) * nip + ip
                 for r in range(q * nrows // ntiles, (q + 1) * nrows // ntiles):
-                    prefetch_run(bflat, (nrow + r) * n + ncol, ncols * 4)
+                    prefetch_run(bflat, (nrow + r) * ldb + ncol, ncols * 4)
             if ahead:  # a share of the next panel's rows before each row tile: a burst of them all
                 r0 = ip * kcb // nip  # would fill the queue of misses the tile's own loads wait in
-                prefetch_rows(bflat, (p0 + r0) * n + jj + nr, n, (ip + 1) * kcb // nip - r0, nr * 4)
+                prefetch_rows(bflat, (p0 + r0) * ldb + jj + nr, ldb, (ip + 1) * kcb // nip - r0, nr * 4)
             if a_inplace and mrem == mr:
-                a_op = (aflat, p0 * m + ii, m, 1) if ta else (aflat, ii * k + p0, 1, k)
+                a_op = (aflat, p0 * lda + ii, lda, 1) if ta else (aflat, ii * lda + p0, 1, lda)
             else:
                 a_op = (ap, ip * a_panel(kcb, mr), mr, 1)
-            mask_op = (maskf, maskb, ii * n + jj)
+            coff = ii * ldc + jj
+            mask_op = (maskf, maskb, coff)
             if masking == MASK_F32:  # read at the tile's end: in flight while its K loop runs
-                prefetch_rows(maskf, ii * n + jj, n, mrem, nrem * 4)
+                prefetch_rows(maskf, coff, ldc, mrem, nrem * 4)
             elif masking == MASK_BYTE:
-                prefetch_rows(maskb, ii * n + jj, n, mrem, nrem)
+                prefetch_rows(maskb, coff, ldc, mrem, nrem)
             if mrem == mr and nrem == nr:
                 if not full_flags[4] & STREAM:  # streamed C lines are never read
-                    prefetch_c(cf, ii * n + jj, n, mr, nr * 4)
-                fma_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), full_flags, mask_op)
+                    prefetch_c(cf, coff, ldc, mr, nr * 4)
+                fma_tile(code, kcb, a_op, b_op, (cf, coff, ldc), (biasp, jj), full_flags, mask_op)
             else:
-                _edge_tile(code, kcb, a_op, b_op, (cf, ii * n + jj, n), (biasp, jj), flags, mask_op, tile, mrem, nrem)
+                _edge_tile(code, kcb, a_op, b_op, (cf, coff, ldc), (biasp, jj), flags, mask_op, tile, mrem, nrem)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -163,12 +165,13 @@ def _gemm_factory(spec: KernelSpec):
     # otherwise pay atomic reference counts on the arrays in its operand tuples, 6-8% at K = 32
     @jit(parallel=True, nrt=False)
     def gemm_kernel(a, b, c, bias, mask, maskb, ws, dims, scale, blocks, flags):
-        # a: (m, k) or (k, m) if ta; b: (k, n) or (n, k) if tb; c: (m, n) C-contiguous; bias: (n,)
-        # if use_bias; mask: flat (m * n) float32 if mask_mode is MASK_F32; maskb: flat (m * n)
-        # uint8 if MASK_BYTE or MASK_OUT; ws: float32 scratch; dims = (m, n, k); scale = (alpha,
+        # a, b, c: flat float32 storage of A (m, k) or (k, m) if ta, B (k, n) or (n, k) if tb and C
+        # (m, n), rows lda, ldb and ldc floats apart; bias: (n,) if use_bias; mask: flat float32 if
+        # mask_mode is MASK_F32, maskb: flat uint8 if MASK_BYTE or MASK_OUT, both laid out as C; ws:
+        # float32 scratch; dims = (m, n, k, lda, ldb, ldc); scale = (alpha,
         # beta) float32; blocks = (mc, kc, nc); flags = (ta, tb, use_bias, relu, mask_mode: | STREAM
         # stores C's full tiles non-temporally, each task fenced at its end, slab: see slab_mode)
-        m, n, k = dims
+        m, n, k, lda, ldb, ldc = dims
         alpha, beta = scale
         mc, kc, nc = blocks
         ta, tb, use_bias, relu, mask_mode, slab = flags
@@ -178,7 +181,7 @@ def _gemm_factory(spec: KernelSpec):
         # is a small share once 16 row tiles reuse a panel (for fewer, reading the panels where they
         # lie costs less than copying them). In place, only a ragged last panel is packed,
         # zero-padded, into panel 0 of bp.
-        inplace = b_in_place(tb, m, n, MR, NR)
+        inplace = b_in_place(tb, m, ldb, MR, NR)
         packed = (1 if n % NR else 0) if inplace else npan
         npc = max(1, (k + kc - 1) // kc)
         nib, njb = (m + mc - 1) // mc, (n + nc - 1) // nc
@@ -195,34 +198,34 @@ def _gemm_factory(spec: KernelSpec):
         ps = (kc if by_pass else k) * NR + 16  # panel stride, one cache line more than needed: panels
         #                                        side by side would otherwise collide in L1 sets
         bsize = 0 if fused or slab else npan * ps  # ws: [B panels | bias | per task: A block, B panel(s)]
-        bp, bflat = ws[:bsize], b.reshape(b.size)
+        bp, bflat = ws[:bsize], b
         if tb and not fused:
             for p in prange(packed):
-                pack_b_columns(bp, bflat, p, (n, k, ps), NR)
+                pack_b_columns(bp, bflat, p, (n, k, ps, ldb), NR)
         elif not tb and packed > 0 and not by_pass and not slab:
             for kb in prange((k + 63) // 64):
-                pack_b_rows(bp, bflat, kb, (n, k, ps), npan - packed, NR)
+                pack_b_rows(bp, bflat, kb, (n, k, ps, ldb), npan - packed, NR)
         nbias = (npan * NR + 15) // 16 * 16  # ws after the B panels: the bias, zero-padded to whole panels
         biasp = ws[bsize:bsize + nbias]
         for j in range(nbias):
             biasp[j] = bias[j] if use_bias and j < n else np.float32(0.0)
         bsize += nbias
-        cf, aflat = c.reshape(m * n), a.reshape(a.size)
+        cf, aflat = c, a
         # A (not scaled) is read in place when plain row-major (MR row streams the prefetcher
         # follows), or transposed when each C block has one column panel (its packed copy would
         # be read only once)
         a_inplace = alpha == 1.0 and (not ta or nc <= NR)
         tsize = task_floats(mc, kc, nc, MR, NR, slab)
-        srcs = (aflat, bp, bflat, c, cf, mask, maskb, biasp)
+        srcs = (aflat, bp, bflat, cf, mask, maskb, biasp)
         mode = (alpha, beta, a_inplace, ta, inplace, fused, slab, use_bias, relu, mask_mode)
-        geo = (m, n, k, mc, kc, nc, ps)
+        geo = (m, n, k, mc, kc, nc, ps, lda, ldb, ldc)
         for step in range(npc if by_pass else 1):  # one call site: the tile code is inlined once
             passes = (step, step + 1, npc, step * kc) if by_pass else (0, npc, npc, 0)
             if by_pass:
                 p0 = step * kc
                 rows = min(kc, k - p0)
                 for kb in prange((rows + 63) // 64):
-                    pack_b_rows(bp, bflat[p0 * n:(p0 + rows) * n], kb, (n, rows, ps), 0, NR)
+                    pack_b_rows(bp, bflat[p0 * ldb:], kb, (n, rows, ps, ldb), 0, NR)
             for t in prange(nib * njb):
                 _block_passes(CODE, srcs, ws[bsize + t * tsize:bsize + (t + 1) * tsize], t, passes, geo, mode)
     return gemm_kernel
@@ -232,14 +235,14 @@ def _gemm_factory(spec: KernelSpec):
 def _block_passes(code, srcs, region, t, passes, geo, mode):
     """K passes pa .. pb - 1 (of npc) of C block t (row block t // njb, column block t % njb): A
     packed into the task's region per pass (and B's panels too if b_fused), then the tiles.
-    srcs = (flat A, packed B, flat B, c, flat C, flat float32 mask, flat byte mask, padded bias);
+    srcs = (flat A, packed B, flat B, flat C, flat float32 mask, flat byte mask, padded bias);
     passes = (pa, pb, npc, bp0: B's first row in its packed panels); geo = (m, n, k, mc, kc, nc,
-    ps); mode = (alpha, beta, a_inplace, ta, b_inplace, b_fused, slab, use_bias, relu, mask_mode);
+    ps, lda, ldb, ldc); mode = (alpha, beta, a_inplace, ta, b_inplace, b_fused, slab, use_bias, relu, mask_mode);
     slab: B's K-pass rows of this block's columns packed into the task's region before its tiles."""
     mr, nr = tile_dims(code)
-    aflat, bp, bflat, c, cf, maskf, maskb, biasp = srcs
+    aflat, bp, bflat, cf, maskf, maskb, biasp = srcs
     pa, pb, npc, bp0 = passes
-    m, n, k, mc, kc, nc, ps = geo
+    m, n, k, mc, kc, nc, ps, lda, ldb, ldc = geo
     alpha, beta, a_inplace, ta, inplace, fused, slab, use_bias, relu, mask_mode = mode
     a0, asize, b0 = task_parts(mc, kc, mr, nr)
     tile = region[:mr * nr]  # scratch from the workspace: an allocation per task costs ~0.5 us
@@ -251,14 +254,15 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
     i0, j0 = ib * mc, (t - ib * njb) * nc
     blk = (i0, min(mc, m - i0), j0, min(nc, n - j0))
     if pa == 0 and beta != 0.0 and beta != 1.0:
-        _scale_block(c, blk, beta)
+        _scale_block(cf, ldc, blk, beta)
     for pi in range(pa, pb):
         kpass = (pi * kc, min(kc, k - pi * kc))
         if slab:
-            pack_b_slab(bp, bflat, (blk[2], blk[3], kc), kpass, n, nr)
-        pack_a_block(ap, aflat, blk, kpass, (m, k), alpha, ta, a_inplace, mr)
+            pack_b_slab(bp, bflat, (blk[2], blk[3], kc), kpass, n, ldb, nr)
+        pack_a_block(ap, aflat, blk, kpass, (m, k, lda), alpha, ta, a_inplace, mr)
         flags = (a_inplace, ta, inplace, fused, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, mask_mode)
-        geo_b = (m, n, k, b_panel(kc, nr), kpass[0], blk[2] // nr) if slab else (m, n, k, ps, bp0, 0)
+        geo_b = ((m, n, k, b_panel(kc, nr), kpass[0], blk[2] // nr, lda, ldb, ldc) if slab else
+                 (m, n, k, ps, bp0, 0, lda, ldb, ldc))
         nxt = (0, 0, 0, 0)
         if slab and pi + 1 < npc:  # the block's next pass
             nxt = ((pi + 1) * kc, min(kc, k - (pi + 1) * kc), blk[2], blk[3])
@@ -300,7 +304,7 @@ def _streamable(c, beta, isa):
     """Whether the driver can store C non-temporally: written whole (beta 0, a vector ISA), beyond
     L2, its tile rows aligned to whole cache lines."""
     return (beta == 0.0 and isa in ("avx2", "avx512") and c.nbytes > host_target().l2 and c.shape[1] % 16 == 0
-            and c.ctypes.data % 64 == 0)
+            and c.ctypes.data % 64 == 0 and c.flags.c_contiguous)
 
 
 def _streams(c, k, beta, isa):
@@ -323,22 +327,33 @@ def _mask_args(mask, mask_out):
 
 def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=False, mask=None, mask_out=None,
               stream=None):
-    """Run the driver with blocks = (mc, kc, nc) on validated, C-contiguous float32 arrays; c is
-    written and returned. mask: an array of c's shape, float32 (c is kept where mask > 0: the
-    backward of a ReLU whose output is mask) or bytes (bool or uint8: kept where nonzero), else c
-    is +0.0 there, in the epilogue. mask_out: a C-contiguous bool or uint8 array of c's shape,
-    written with c > 0 (the byte mask of this ReLU's output; not with mask). A C of one row or
-    column goes to the matrix-vector kernels instead. stream: whether full tiles store C
-    non-temporally (None: _streams decides; True applies only where _streams's shape conditions hold)."""
+    """Run the driver with blocks = (mc, kc, nc) on validated float32 arrays whose rows are
+    contiguous (_check.row_strided: C-contiguous, or column slices read and written in place at
+    their row strides); c is written and returned. mask: a C-contiguous array of c's shape, float32
+    (c is kept where mask > 0: the backward of a ReLU whose output is mask) or bytes (bool or uint8:
+    kept where nonzero), else c is +0.0 there, in the epilogue. mask_out: a C-contiguous bool or
+    uint8 array of c's shape, written with c > 0 (the byte mask of this ReLU's output; not with
+    mask). A C of one row or column goes to the matrix-vector kernels instead. stream: whether
+    full tiles store C non-temporally (None: _streams decides; True applies only where
+    _streams's shape conditions hold)."""
     m, n = c.shape
     if m == 0 or n == 0:
+        return c
+    k = a.shape[0] if ta else a.shape[1]
+    if not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous) and (
+            m == 1 or n == 1 or k == 1 and beta == 0.0 or mask is not None or mask_out is not None):
+        # the matrix-vector kernels take contiguous operands and the masks C's layout: copies
+        out = np.ascontiguousarray(c)
+        gemm_into(np.ascontiguousarray(a), np.ascontiguousarray(b), out, ta, tb, blocks, alpha=alpha, beta=beta,
+                  bias=bias, relu=relu, mask=mask, mask_out=mask_out, stream=stream)
+        if out is not c:
+            np.copyto(c, out)
         return c
     if m == 1 or n == 1:  # a matrix-vector product: no tile would be more than one row or column full
         gemv_into(a, b, c, ta, tb, alpha=alpha, beta=beta, bias=bias, relu=relu)
         if mask is not None:
             relu_mask_into(c, mask)
         return c if mask_out is None else write_mask(c, mask_out)
-    k = a.shape[0] if ta else a.shape[1]
     if k == 1 and beta == 0.0:
         outer_into(a, b, c, alpha=alpha, bias=bias, relu=relu, mask=mask)
         return c if mask_out is None else write_mask(c, mask_out)
@@ -348,15 +363,16 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     mf, mb, mode = _mask_args(mask, mask_out)
     if _streams(c, k, beta, isa) if stream is None else (stream and _streamable(c, beta, isa)):
         mode |= STREAM
-    slab = use_slab(tb, m, n, mc, mr, nr)
+    (af, lda), (bf, ldb), (cf, ldc) = _storage(a), _storage(b), _storage(c)
+    slab = use_slab(tb, m, ldb, mc, mr, nr)
     if slab:
         nc = min(nc, slab_columns(min(kc, k), nr))
     npan = -(-n // nr)  # B's panels, the padded bias, then the tasks' regions
     whole_b = 0 if slab else npan * (k * nr + 16)
     need = whole_b + npan * nr + 16 + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, nc, mr, nr, slab)
     flags = (bool(ta), bool(tb), bias is not None, bool(relu), mode, slab)
-    args = (a, b, c, _DUMMY if bias is None else bias, mf, mb, thread_buffer("ws", np.float32, need), (m, n, k),
-            (np.float32(alpha), np.float32(beta)), (mc, kc, nc), flags)
+    args = (af, bf, cf, _DUMMY if bias is None else bias, mf, mb, thread_buffer("ws", np.float32, need),
+            (m, n, k, lda, ldb, ldc), (np.float32(alpha), np.float32(beta)), (mc, kc, nc), flags)
     kern = _kernel(isa)
     try:
         kern(*args)
@@ -368,9 +384,19 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     return c
 
 
-def use_slab(tb, m, n, mc, mr, nr) -> bool:
-    """gemm_pack.slab_mode, from Python."""
-    return bool(slab_mode(bool(tb), m, n, mc, mr, nr))
+def _storage(x):
+    """(flat, ld): the float32 storage of a row_strided 2-D x as one flat array from its first
+    element, and its row stride in elements (a view: the driver reads and writes x in place)."""
+    r, w = x.shape
+    if x.flags.c_contiguous:
+        return x.reshape(x.size), w
+    ld = x.strides[0] // x.itemsize
+    return np.lib.stride_tricks.as_strided(x, shape=(max((r - 1) * ld + w, 0),), strides=(x.itemsize,)), ld
+
+
+def use_slab(tb, m, ldb, mc, mr, nr) -> bool:
+    """gemm_pack.slab_mode, from Python (ldb: B's row stride)."""
+    return bool(slab_mode(bool(tb), m, ldb, mc, mr, nr))
 
 
 def slab_columns(kc: int, nr: int) -> int:

@@ -40,15 +40,15 @@ def prefetch_c(flat, off, ld, rows, nbytes):
 
 
 @jit(inline="always")
-def b_in_place(tb, m, n, mr, nr):
-    """Whether the driver reads B's full panels in place (row stride n) instead of packing them:
+def b_in_place(tb, m, ldb, mr, nr):
+    """Whether the driver reads B's full panels in place (row stride ldb) instead of packing them:
     B is (k, n) and few row tiles reuse each panel (under 16), unless its row stride is a multiple
     of 2 KiB (its rows all in a few L1 sets: each tile rereads them from L2), more than two row
     tiles reuse it and a panel's row is under two cache lines (too few FMAs per row to hide the
     rereads: the AVX2 tile lost 20-30% so, the AVX-512 one gained). The sweep hints each next
     panel's rows while it computes the current one (rows a stride apart: no hardware prefetcher
     follows them), and the blocking keeps a K pass's rows within L2 (ops/gemm.py)."""
-    return not tb and m < 16 * mr and (n % 512 != 0 or m <= 2 * mr or nr * 4 >= 128)
+    return not tb and m < 16 * mr and (ldb % 512 != 0 or m <= 2 * mr or nr * 4 >= 128)
 
 
 @jit(inline="always")
@@ -74,13 +74,13 @@ def b_panel(kc, nr):
 
 
 @jit(inline="always")
-def slab_mode(tb, m, n, mc, mr, nr):
+def slab_mode(tb, m, ldb, mc, mr, nr):
     """Whether each task packs its own columns of B per K pass (a slab) instead of the driver
     packing B whole first: B is (k, n), packed (not b_in_place) and C is one row block, so each
     of B's panels is read by one task only. The slab is rewritten in L2 (the blocking sizes it so),
     and the next one is hinted while its tiles run: B packed whole is first read from memory,
     its copy written to lines long evicted, with no FMA to overlap either."""
-    return not tb and m <= mc and not b_in_place(tb, m, n, mr, nr)
+    return not tb and m <= mc and not b_in_place(tb, m, ldb, mr, nr)
 
 
 @jit(inline="always")
@@ -107,15 +107,15 @@ def panel_row(dst, d, src, s, width, nr):
 
 
 @jit(inline="always")
-def pack_b_slab(bs, bflat, cols, kpass, n, nr):
-    """Rows p0 .. p0 + kcb - 1, columns j0 .. j0 + ncb - 1 of B (k, n) into bs as nr-wide k-major
-    panels b_panel(kc, nr) apart (kc: a full pass; columns past n zeroed), in memory order.
-    cols = (j0, ncb, kc), kpass = (p0, kcb)."""
+def pack_b_slab(bs, bflat, cols, kpass, n, ldb, nr):
+    """Rows p0 .. p0 + kcb - 1, columns j0 .. j0 + ncb - 1 of B (k, n), row stride ldb, into bs as
+    nr-wide k-major panels b_panel(kc, nr) apart (kc: a full pass; columns past n zeroed), in
+    memory order. cols = (j0, ncb, kc), kpass = (p0, kcb)."""
     j0, ncb, kc = cols
     p0, kcb = kpass
     ps = b_panel(kc, nr)
     for kk in range(kcb):
-        row = (p0 + kk) * n + j0
+        row = (p0 + kk) * ldb + j0
         for q in range((ncb + nr - 1) // nr):
             panel_row(bs, q * ps + kk * nr, bflat, row + q * nr, n - j0 - q * nr, nr)
 
@@ -131,12 +131,12 @@ def task_parts(mc, kc, mr, nr):
 @jit(inline="always")
 def pack_b_columns(bp, bflat, p, geo, nr):
     """Panel p of B when B is (n, k) (its rows are C columns): each row read along k, into the
-    k-major nr-wide panel at p * ps; columns past n zeroed. geo = (n, k, ps)."""
-    n, k, ps = geo
+    k-major nr-wide panel at p * ps; columns past n zeroed. geo = (n, k, ps, ldb: B's row stride)."""
+    n, k, ps, ldb = geo
     width = min(nr, n - p * nr)
     for r in range(width):
         for kk in range(k):
-            bp[_u(p * ps + kk * nr + r)] = bflat[_u((p * nr + r) * k + kk)]
+            bp[_u(p * ps + kk * nr + r)] = bflat[_u((p * nr + r) * ldb + kk)]
     for r in range(width, nr):
         for kk in range(k):
             bp[_u(p * ps + kk * nr + r)] = 0.0
@@ -145,16 +145,17 @@ def pack_b_columns(bp, bflat, p, geo, nr):
 @jit(inline="always")
 def pack_b_rows(bp, bflat, kb, geo, p_first, nr):
     """Rows 64 kb .. 64 kb + 63 of B when B is (k, n), scanned in memory order and scattered to
-    panels p_first.. (panel p at (p - p_first) * ps); columns past n zeroed. geo = (n, k, ps)."""
-    n, k, ps = geo
+    panels p_first.. (panel p at (p - p_first) * ps); columns past n zeroed. geo = (n, k, ps, ldb:
+    B's row stride)."""
+    n, k, ps, ldb = geo
     npan = (n + nr - 1) // nr
-    ahead = rows_ahead(n * 4) * n
+    ahead = rows_ahead(ldb * 4) * ldb
     for kk in range(kb * 64, min(k, kb * 64 + 64)):
-        row = kk * n
+        row = kk * ldb
         for p in range(p_first, npan):
             base = (p - p_first) * ps + kk * nr
             col = row + p * nr
-            if col + ahead < k * n:
+            if col + ahead < k * ldb:
                 prefetch_run(bflat, col + ahead, nr * 4)
             panel_row(bp, base, bflat, col, n - p * nr, nr)
 
@@ -163,14 +164,14 @@ def pack_b_rows(bp, bflat, kb, geo, p_first, nr):
 def pack_b_panel(bt, bflat, jp, kpass, geo, nr):
     """Columns p0 .. p0 + kcb - 1 of rows jp * nr .. of B (n, k), i.e. panel jp of B^T's K-pass
     slice, into bt (k-major, nr wide, columns past n zeroed), hinting the same slice of panel jp + 2
-    into L2: the fused pack, right before the tiles read it. geo = (n, k)."""
+    into L2: the fused pack, right before the tiles read it. geo = (n, k, ldb: B's row stride)."""
     p0, kcb = kpass
-    n, k = geo
+    n, k, ldb = geo
     jj = jp * nr
     for r in range(min(nr, n - jj)):
-        src = (jj + r) * k + p0
+        src = (jj + r) * ldb + p0
         if jj + r + 2 * nr < n:
-            prefetch_run(bflat, src + 2 * nr * k, kcb * 4)
+            prefetch_run(bflat, src + 2 * nr * ldb, kcb * 4)
         for kk in range(kcb):
             bt[_u(kk * nr + r)] = bflat[_u(src + kk)]
     for r in range(min(nr, n - jj), nr):
@@ -185,18 +186,18 @@ def pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
 
     The loops follow a's memory order (rows along k, or columns if ta); full panels that the
     tile kernel reads in place (a_inplace) are skipped. blk = (i0, mcb, j0, ncb),
-    kpass = (p0, kcb), geo = (m, k): A is (m, k), or (k, m) if ta.
+    kpass = (p0, kcb), geo = (m, k, lda): A is (m, k), or (k, m) if ta, with row stride lda.
     """
     i0, mcb, _, _ = blk
     p0, kcb = kpass
-    m, k = geo
+    m, k, lda = geo
     nfull = mcb // mr
     if ta and not a_inplace:  # full panels row by row of a: each k reads mcb contiguous floats
-        ahead = rows_ahead(m * 4)
+        ahead = rows_ahead(lda * 4)
         for kk in range(kcb):
-            src = (p0 + kk) * m + i0
+            src = (p0 + kk) * lda + i0
             if p0 + kk + ahead < k:
-                prefetch_run(aflat, src + ahead * m, nfull * mr * 4)
+                prefetch_run(aflat, src + ahead * lda, nfull * mr * 4)
             for ip in range(nfull):
                 d = ip * a_panel(kcb, mr) + kk * mr
                 s0 = src + ip * mr
@@ -211,10 +212,10 @@ def pack_a_block(ap, aflat, blk, kpass, geo, alpha, ta, a_inplace, mr):
         elif ta:
             for kk in range(kcb):
                 for r in range(rows):
-                    ap[_u(dst + kk * mr + r)] = aflat[_u((p0 + kk) * m + ibase + r)] * alpha
+                    ap[_u(dst + kk * mr + r)] = aflat[_u((p0 + kk) * lda + ibase + r)] * alpha
         else:
             for r in range(rows):
-                src = (ibase + r) * k + p0
+                src = (ibase + r) * lda + p0
                 for kk in range(kcb):
                     ap[_u(dst + kk * mr + r)] = aflat[_u(src + kk)] * alpha
         for r in range(rows, mr):
