@@ -340,12 +340,14 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     if m == 0 or n == 0:
         return c
     k = a.shape[0] if ta else a.shape[1]
-    if not (a.flags.c_contiguous and b.flags.c_contiguous and c.flags.c_contiguous) and (
-            m == 1 or n == 1 or k == 1 and beta == 0.0 or mask is not None or mask_out is not None):
-        # the matrix-vector kernels take contiguous operands and the masks C's layout: copies
+    vector = m == 1 or n == 1 or k == 1 and beta == 0.0  # the matrix-vector and outer-product kernels
+    if (not c.flags.c_contiguous and (vector or mask is not None or mask_out is not None)
+            or vector and not (a.flags.c_contiguous and b.flags.c_contiguous)):
+        # those kernels take contiguous operands, and the masks C's layout: contiguous copies there
         out = np.ascontiguousarray(c)
-        gemm_into(np.ascontiguousarray(a), np.ascontiguousarray(b), out, ta, tb, blocks, alpha=alpha, beta=beta,
-                  bias=bias, relu=relu, mask=mask, mask_out=mask_out, stream=stream)
+        a, b = (np.ascontiguousarray(a), np.ascontiguousarray(b)) if vector else (a, b)
+        gemm_into(a, b, out, ta, tb, blocks, alpha=alpha, beta=beta, bias=bias, relu=relu, mask=mask,
+                  mask_out=mask_out, stream=stream)
         if out is not c:
             np.copyto(c, out)
         return c
