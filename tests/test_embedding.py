@@ -182,6 +182,24 @@ def test_specialised_widths(dim):
         np.testing.assert_allclose(drows, want_drows, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dim", [*SPECIALISED_D, 37])
+def test_forward_sums_of_signed_zeros_keep_the_reference_bits(dim):
+    """A bag's sum starts from its first row, not from +0.0, as the reference's: a bag of -0.0 rows
+    sums to -0.0 (one row, or several), a -0.0 beside a +0.0 to +0.0; sum, mean and weighted, the
+    pooling loop and the one-row copy."""
+    w = np.zeros((4, dim), np.float32)
+    w[0], w[1], w[2, ::2], w[3] = -0.0, -0.0, -0.0, 1.0
+    weights = np.array([1, 2, 3, 4, 5, 6, 0.5], np.float32)
+    for table in (w, SplitBF16Table.from_float32(w)):  # the rows are bf16 values: the same reference
+        for idx, off in ((np.array([0, 1, 0, 0, 2, 3, 1]), np.array([0, 1, 3, 5])),  # bags of 1, 2, 2, 2 rows
+                         (np.array([0, 2, 1, 2]), np.arange(4))):                    # every bag one row: copied
+            for kw in (dict(mode="sum"), dict(mode="mean"), dict(mode="sum", per_sample_weights=weights[:len(idx)])):
+                got = embedding_bag_forward(table, idx.astype(np.int64), off.astype(np.int64), **kw)
+                want = reference.embedding_bag_forward(w, idx, off, **kw)
+                np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32),
+                                              err_msg=f"{type(table).__name__} {idx} {kw}")
+
+
 @pytest.mark.parametrize("sizes", [[1] * 9, [0, 2, 1, 1], [1, 1, 0, 2, 1], [2, 0, 1], [1, 1, 1, 0]])
 def test_one_row_bags_are_copied_only_where_every_bag_has_one_row(sizes, path):
     """Batches of one-row bags take a plain copy; bag sizes that merely add up to the bag count

@@ -206,10 +206,11 @@ widen compile-time constants."""
 
 @intrinsic
 def row_copy(typingctx, dst, i, src, j, n):
-    """dst[i, :n] = src[j, :n] (src float32, or uint16 bf16 bits widened into the high half), n a
-    compile-time constant, 16 elements at a time, each chunk stored before the next is loaded: a
-    whole <n x float> value would be held in (and, for wide rows, spilled from) the vector
-    registers, and a plain loop gets an aliasing check."""
+    """dst[i, :n] = +0.0 + src[j, :n] (src float32, or uint16 bf16 bits widened into the high half):
+    a one-row sum, -0.0 made +0.0 as a sum from +0.0 makes it. n a compile-time constant, 16
+    elements at a time, each chunk stored before the next is loaded: a whole <n x float> value
+    would be held in (and, for wide rows, spilled from) the vector registers, and a plain loop
+    gets an aliasing check."""
     if not (isinstance(n, types.IntegerLiteral) and _is_table(dst, (types.float32,)) and _is_table(src)):
         return None
     size = n.literal_value
@@ -224,6 +225,7 @@ def row_copy(typingctx, dst, i, src, j, n):
             chunk = min(16, size - c)
             at = ir.Constant(ir.IntType(64), c)
             v = _load_row(builder, builder.gep(srow, [at]), srcty.dtype, chunk, SHIFT)
+            v = builder.fadd(ir.Constant(ir.VectorType(_F32, chunk), [0.0] * chunk), v)
             builder.store(v, builder.bitcast(builder.gep(drow, [at]), ir.VectorType(_F32, chunk).as_pointer()), align=4)
             c += chunk
         return context.get_dummy_value()

@@ -65,10 +65,15 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
 
     @jit(inline="always", fastmath=_STRICT)
     def pool_bag(acc, weight, indices, psw, s, e, D, c, weighted, fetch):
-        """acc[0] = sum of psw[j] * weight[indices[j], c:c + W] over j in [s, e), prefetching PF
-        entries' whole rows ahead if `fetch`. Takes the arrays, not the bags tuple: unpacking a tuple
-        here costs NRT reference counts (atomic calls) per bag, 2-7x the whole gather at pooling 1 in
-        serially compiled code."""
+        """acc[0] = +0.0 plus psw[j] * weight[indices[j], c:c + W] over j in [s, e), in order, prefetching
+        PF entries' whole rows ahead if `fetch`. From +0.0, as the reference's and torch's sums (a
+        bag of -0.0 rows sums to +0.0), and with no first-row case in the loop: a per-row select
+        of "set or add" made LLVM shuffle the accumulator's registers (or keep it on the stack) on
+        every row, 1.3x the time of a bag whose rows are cached. Takes the arrays, not the bags
+        tuple: unpacking a tuple here costs NRT reference counts (atomic calls) per bag, 2-7x the
+        whole gather at pooling 1 in serially compiled code."""
+        for d in range(W if W else D):
+            acc[0, d] = 0.0
         far = np.uint64(indices.shape[0] - 1)
         tail = straddles(weight, D * ITEM)
         for j in range(s, e):
@@ -76,14 +81,15 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
             if fetch:
                 prefetch_lines(weight, indices[min(u + np.uint64(PF), far)], D * ITEM, tail, LOC, STEP)
             add_row(acc, 0, weight, indices[u], c, psw[u] if weighted else np.float32(1.0), W if W else D, W,
-                    j == s, SCHEME)
+                    False, SCHEME)
 
     @jit(inline="always", fastmath=_STRICT)
     def copy_bags(weight, indices, offsets, out, b0, b1, D, last):
         """If bags b0 <= b < b1 hold one row each (offsets step by one), copy each bag's row to out[b]
-        (its sum and its mean are the row itself) and return True. A loop of its own: a plain copy,
-        with no accumulator between load and store and few live values, gathers a pooling-1 batch
-        1.2-1.3x faster than the pooling loop. Only for unweighted bags of vector-width rows."""
+        (its sum and its mean are +0.0 plus the row: row_copy) and return True. A loop of its own: a
+        plain copy, with no accumulator between load and store and few live values, gathers a
+        pooling-1 batch 1.2-1.3x faster than the pooling loop. Only for unweighted bags of
+        vector-width rows."""
         nbags, nnz = out.shape[0], indices.shape[0]
         if not COPY or b1 <= b0:
             return False
@@ -103,22 +109,18 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
         return True
 
     @jit(inline="always", fastmath=_STRICT)
-    def pool(weight, bags, out, b0, b1):
-        """out[b] = the pooled rows of bag b, for the bags b0 <= b < b1 (one work unit of the forward)."""
+    def pool_bags(weight, bags, out, b0, b1, D, weighted):
+        """out[b] = the pooled rows of bag b for b0 <= b < b1, weighted by psw or not. The weighted and
+        the unweighted caller each get their own accumulator: one shared by both loops kept part of
+        it on the stack in both (the weighted loop needs a register more than the vector file has)."""
         indices, offsets, psw, mean, last = bags
         nbags, nnz = out.shape[0], indices.shape[0]
-        D = DC if DC else out.shape[1]
-        if psw.shape[0] == 0 and copy_bags(weight, indices, offsets, out, b0, b1, D, last):
-            return
         acc = stack_f32(W) if DC else np.empty((1, D), np.float32)
         for b in range(b0, b1):
             s, e = offsets[b], bag_end(offsets, b, nbags, nnz, last)
             for h in range(COLS):
                 c = h * W
-                if psw.shape[0] > 0:  # two copies of the row loop, so the common unweighted one has no per-row test
-                    pool_bag(acc, weight, indices, psw, s, e, D, c, True, h == 0)
-                else:
-                    pool_bag(acc, weight, indices, psw, s, e, D, c, False, h == 0)
+                pool_bag(acc, weight, indices, psw, s, e, D, c, weighted, h == 0)
                 if e > s:
                     inv = np.float32(1.0) / np.float32(e - s) if mean else np.float32(1.0)
                     if DC:  # the sum is in the order the widening left it
@@ -128,6 +130,18 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
                 else:
                     for d in range(c, c + (W if W else D)):
                         out[b, d] = 0.0
+
+    @jit(inline="always", fastmath=_STRICT)
+    def pool(weight, bags, out, b0, b1):
+        """out[b] = the pooled rows of bag b, for the bags b0 <= b < b1 (one work unit of the forward)."""
+        indices, offsets, psw, _, last = bags
+        D = DC if DC else out.shape[1]
+        if psw.shape[0] == 0 and copy_bags(weight, indices, offsets, out, b0, b1, D, last):
+            return
+        if psw.shape[0] > 0:  # two copies of the row loop, so the common unweighted one has no per-row test
+            pool_bags(weight, bags, out, b0, b1, D, True)
+        else:
+            pool_bags(weight, bags, out, b0, b1, D, False)
     return pool
 
 
