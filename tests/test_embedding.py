@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from jitkern.codegen.prefetch import prefetch, prefetch_l2, prefetch_write
 from jitkern.ops import SplitBF16Table, embedding_bag_adagrad_, embedding_bag_backward, embedding_bag_forward
 from jitkern.ops import embedding_bag_sgd_, reference
+from jitkern.codegen import get_kernel
 from jitkern.ops.embedding import SPECIALISED_D, adagrad, empty_table, forward, grouping, sgd
+from jitkern.ops.embedding._validate import check_bag_args
 
 EPS32 = 2.0 ** -23
 GENERIC_D = [d for d in range(1, 301) if d not in SPECIALISED_D]
@@ -348,6 +350,32 @@ def test_out_of_range_index_names_argument_position_value_and_changes_nothing(ba
     np.testing.assert_array_equal(w, w0)
     np.testing.assert_array_equal(table.to_float32(), w0)
     assert not state.any()
+
+
+@pytest.mark.parametrize("dim", [SPECIALISED_D[0], SPECIALISED_D[-1]])
+@pytest.mark.parametrize("cols", [1, 2, 4])
+def test_forward_checks_each_index_where_it_reads_the_row(dim, cols, path):
+    """The serial forward checks an index as it pools its bag (the parallel one, all first): the
+    first bad one in position order is named, wherever it lies (first, middle, last; one-row bags
+    copied, pooled in column blocks, weighted), and only out's earlier bags are written."""
+    rng = np.random.default_rng(dim + cols)
+    w = rng.standard_normal((20, dim)).astype(np.float32)
+    cases = [(np.arange(6), np.arange(6)), (np.arange(8), np.array([0, 2, 4, 6]))]  # one-row bags; bags of two
+    for idx0, off in cases:
+        for at, bad in ((0, 20), (3, -1), (len(idx0) - 1, 2**40), (2, 25)):
+            idx = (idx0 * 3 % 20).astype(np.int64)
+            idx[at] = bad
+            if at == 2:
+                idx[4] = -5  # a second bad index, later: the first is reported
+            kern = get_kernel(forward._spec(dim, False, path == "fast", forward.PREFETCH.heuristic(
+                (20, dim, 1, len(off), 4, 1)), {"scheme": "shift"}, cols))
+            for psw in (None, rng.standard_normal(len(idx)).astype(np.float32)):
+                bags = check_bag_args(idx, off.astype(np.int64), "sum", psw, False)[0]
+                out = np.full((len(off), dim), 7.0, np.float32)
+                assert kern(w, bags, 4, out) == (6, at, bad)
+                assert np.all(out[at // (len(idx) // len(off)) + 1:] == 7.0)  # no later bag written
+            with pytest.raises(IndexError, match=rf"indices\[{at}\] = {bad} "):
+                embedding_bag_forward(w, idx, off.astype(np.int64))
 
 
 @pytest.mark.parametrize("offsets, last, match", [

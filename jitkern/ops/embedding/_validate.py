@@ -1,5 +1,6 @@
 """Argument checks of the embedding ops: tables, bag arrays, sizes, and the bag values (offsets
-order, index range) that the kernels check themselves before they write anything.
+order, index range) that the kernels check themselves before they write anything (the serial
+forward checks each index as it reads its row: it writes only its output).
 """
 from __future__ import annotations
 
@@ -15,17 +16,15 @@ MAX_ROWS, MAX_NNZ = 1 << 32, (1 << 31) - 1  # the sparse paths pack a row and a 
 
 
 @jit(inline="always")
-def check_bags(bags, nbags, num_rows):
-    """(code, position, value) of the first problem of the bags, code 0 if none.
-
-    Branch-free reductions first (they vectorise); positions are searched only on failure.
-    """
+def check_offsets(bags, nbags):
+    """(code, position, value) of the first problem of the bags' offsets, code 0 if none: what
+    check_bags finds before it looks at the indices."""
     indices, offsets, _, _, last = bags
     nnz = indices.shape[0]
     if nbags > 0 and offsets[0] != 0:
         return 1, 0, offsets[0]
     decreasing = False
-    for b in range(1, offsets.shape[0]):
+    for b in range(1, offsets.shape[0]):  # branch-free reductions first (they vectorise); positions on failure
         decreasing |= offsets[b] < offsets[b - 1]
     if decreasing:
         for b in range(1, offsets.shape[0]):
@@ -38,12 +37,30 @@ def check_bags(bags, nbags, num_rows):
         return 4, n_off - 1, offsets[n_off - 1]
     if nbags == 0 and nnz > 0:
         return 5, 0, nnz
-    outside = False
-    for j in range(nnz):  # unsigned compare: negative indices wrap to huge values
-        outside |= np.uint64(np.int64(indices[j])) >= np.uint64(num_rows)
-    if outside:
+    return 0, 0, 0
+
+
+@jit(inline="always")
+def outside(r, num_rows):
+    """Whether index r is outside a table of num_rows rows (negative ones wrap to huge values)."""
+    return np.uint64(np.int64(r)) >= np.uint64(num_rows)
+
+
+@jit(inline="always")
+def check_bags(bags, nbags, num_rows):
+    """(code, position, value) of the first problem of the bags, code 0 if none: the offsets
+    (check_offsets), then the first index outside the table (code 6)."""
+    code, pos, value = check_offsets(bags, nbags)
+    if code:
+        return code, pos, value
+    indices = bags[0]
+    nnz = indices.shape[0]
+    bad = False
+    for j in range(nnz):
+        bad |= outside(indices[j], num_rows)
+    if bad:
         for j in range(nnz):
-            if indices[j] < 0 or indices[j] >= num_rows:
+            if outside(indices[j], num_rows):
                 return 6, j, np.int64(indices[j])
     return 0, 0, 0
 

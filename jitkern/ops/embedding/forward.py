@@ -42,10 +42,11 @@ from ._knobs import (
     widen_heuristic,
 )
 from ._rows import add_row, bag_end, d_class, madd_row, prefetch_distance, prefetch_lines, straddles
-from ._validate import check_bag_args, check_bags, check_table, raise_bag_error, validate_bags
+from ._validate import check_bag_args, check_bags, check_offsets, check_table, outside, raise_bag_error
 
 SERIAL_WORK = 1 << 14  # nnz * D up to which a call runs on the calling thread even with several threads
 _CHUNKS = 64           # bag chunks of the parallel forward
+NONE = -2              # copy_bags: the bags are not all one row long
 # strict IEEE (no contraction of a multiply and an add into an FMA): whether LLVM contracts depends
 # on the ISA and the widening scheme, and the pooled sums' last bits would with it
 _STRICT = frozenset()
@@ -65,8 +66,9 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
 
     @jit(inline="always", fastmath=_STRICT)
     def pool_bag(acc, weight, indices, psw, s, e, D, c, weighted, fetch):
-        """acc[0] = +0.0 plus psw[j] * weight[indices[j], c:c + W] over j in [s, e), in order, prefetching
-        PF entries' whole rows ahead if `fetch`. From +0.0, as the reference's and torch's sums (a
+        """acc[0] = +0.0 plus psw[j] * weight[indices[j], c:c + W] over j in [s, e), in order; -1, or
+        the first j whose index is outside the table (its row not read). If `fetch` (the first
+        column block), each index is checked and PF entries' whole rows ahead are prefetched. From +0.0, as the reference's and torch's sums (a
         bag of -0.0 rows sums to +0.0), and with no first-row case in the loop: a per-row select
         of "set or add" made LLVM shuffle the accumulator's registers (or keep it on the stack) on
         every row, 1.3x the time of a bag whose rows are cached. Takes the arrays, not the bags
@@ -74,45 +76,53 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
         whole gather at pooling 1 in serially compiled code."""
         for d in range(W if W else D):
             acc[0, d] = 0.0
-        far = np.uint64(indices.shape[0] - 1)
+        far, rows = np.uint64(indices.shape[0] - 1), weight.shape[0]
         tail = straddles(weight, D * ITEM)
         for j in range(s, e):
-            u = np.uint64(j)  # validated and non-negative: unsigned indexing skips numba's wraparound code
+            u = np.uint64(j)  # non-negative: unsigned indexing skips numba's wraparound code
+            r = indices[u]
             if fetch:
+                if outside(r, rows):
+                    return j
                 prefetch_lines(weight, indices[min(u + np.uint64(PF), far)], D * ITEM, tail, LOC, STEP)
-            add_row(acc, 0, weight, indices[u], c, psw[u] if weighted else np.float32(1.0), W if W else D, W,
-                    False, SCHEME)
+            add_row(acc, 0, weight, r, c, psw[u] if weighted else np.float32(1.0), W if W else D, W, False, SCHEME)
+        return -1
 
     @jit(inline="always", fastmath=_STRICT)
     def copy_bags(weight, indices, offsets, out, b0, b1, D, last):
         """If bags b0 <= b < b1 hold one row each (offsets step by one), copy each bag's row to out[b]
-        (its sum and its mean are +0.0 plus the row: row_copy) and return True. A loop of its own: a
-        plain copy, with no accumulator between load and store and few live values, gathers a
-        pooling-1 batch 1.2-1.3x faster than the pooling loop. Only for unweighted bags of
-        vector-width rows."""
+        (its sum and its mean are +0.0 plus the row: row_copy) and return -1, or the position of the
+        first index outside the table; NONE if they do not. A loop of its own: a plain copy, with no
+        accumulator between load and store and few live values, gathers a pooling-1 batch 1.2-1.3x
+        faster than the pooling loop. Only for unweighted bags of vector-width rows."""
         nbags, nnz = out.shape[0], indices.shape[0]
         if not COPY or b1 <= b0:
-            return False
+            return NONE
         first = offsets[b0]
         if bag_end(offsets, b1 - 1, nbags, nnz, last) != first + (b1 - b0):
-            return False
+            return NONE
         for b in range(b0 + 1, b1):
             if offsets[b] != first + (b - b0):
-                return False
-        far = np.uint64(nnz - 1)
+                return NONE
+        far, rows = np.uint64(nnz - 1), weight.shape[0]
         tail = straddles(weight, D * ITEM)
         u = np.uint64(first)
         for b in range(b0, b1):
+            r = indices[u]
+            if outside(r, rows):
+                return np.int64(u)
             prefetch_lines(weight, indices[min(u + np.uint64(PF), far)], D * ITEM, tail, LOC, STEP)
-            row_copy(out, b, weight, indices[u], DC)
+            row_copy(out, b, weight, r, DC)
             u += np.uint64(1)
-        return True
+        return -1
 
     @jit(inline="always", fastmath=_STRICT)
     def pool_bags(weight, bags, out, b0, b1, D, weighted):
-        """out[b] = the pooled rows of bag b for b0 <= b < b1, weighted by psw or not. The weighted and
-        the unweighted caller each get their own accumulator: one shared by both loops kept part of
-        it on the stack in both (the weighted loop needs a register more than the vector file has)."""
+        """out[b] = the pooled rows of bag b for b0 <= b < b1, weighted by psw or not; -1, or the
+        position of the first index outside the table (out's bags before its bag written). The
+        weighted and the unweighted caller each get their own accumulator: one shared by both loops
+        kept part of it on the stack in both (the weighted loop needs a register more than the
+        vector file has)."""
         indices, offsets, psw, mean, last = bags
         nbags, nnz = out.shape[0], indices.shape[0]
         acc = stack_f32(W) if DC else np.empty((1, D), np.float32)
@@ -120,7 +130,9 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
             s, e = offsets[b], bag_end(offsets, b, nbags, nnz, last)
             for h in range(COLS):
                 c = h * W
-                pool_bag(acc, weight, indices, psw, s, e, D, c, weighted, h == 0)
+                bad = pool_bag(acc, weight, indices, psw, s, e, D, c, weighted, h == 0)
+                if bad >= 0:
+                    return bad
                 if e > s:
                     inv = np.float32(1.0) / np.float32(e - s) if mean else np.float32(1.0)
                     if DC:  # the sum is in the order the widening left it
@@ -130,18 +142,22 @@ def _pooler(DC, PF, LOC, SCHEME, ITEM, COLS, STEP=64):
                 else:
                     for d in range(c, c + (W if W else D)):
                         out[b, d] = 0.0
+        return -1
 
     @jit(inline="always", fastmath=_STRICT)
     def pool(weight, bags, out, b0, b1):
-        """out[b] = the pooled rows of bag b, for the bags b0 <= b < b1 (one work unit of the forward)."""
+        """out[b] = the pooled rows of bag b, for the bags b0 <= b < b1 (one work unit of the forward);
+        -1, or the position of the first index outside the table: each is checked where its row is
+        read (a pass over the indices first evicted a cached table's rows: 1.1x the time)."""
         indices, offsets, psw, _, last = bags
         D = DC if DC else out.shape[1]
-        if psw.shape[0] == 0 and copy_bags(weight, indices, offsets, out, b0, b1, D, last):
-            return
+        if psw.shape[0] == 0:
+            done = copy_bags(weight, indices, offsets, out, b0, b1, D, last)
+            if done != NONE:
+                return done
         if psw.shape[0] > 0:  # two copies of the row loop, so the common unweighted one has no per-row test
-            pool_bags(weight, bags, out, b0, b1, D, True)
-        else:
-            pool_bags(weight, bags, out, b0, b1, D, False)
+            return pool_bags(weight, bags, out, b0, b1, D, True)
+        return pool_bags(weight, bags, out, b0, b1, D, False)
     return pool
 
 
@@ -151,7 +167,7 @@ def _parallel_kernel(pool):
         # weight: (R, D) float32 or bf16 bits uint16, out: (B, D) float32; contiguous chunks of
         # bags, spread over the threads by prange (independent of the thread count)
         nbags = out.shape[0]
-        code, bad, value = check_bags(bags, nbags, weight.shape[0])
+        code, bad, value = check_bags(bags, nbags, weight.shape[0])  # all first: a prange loop cannot stop
         if code:
             return code, bad, value
         for c in prange(nchunks):
@@ -163,15 +179,17 @@ def _parallel_kernel(pool):
 def _serial_kernel(pool, DC):
     @jit(fastmath=_STRICT, nrt=not DC)  # the vector kernels allocate nothing (see codegen.build.jit)
     def pool_all(weight, bags, out):
-        pool(weight, bags, out, 0, out.shape[0])
+        return pool(weight, bags, out, 0, out.shape[0])
 
     @jit(fastmath=_STRICT)
     def forward_serial(weight, bags, nchunks, out):
         # the same on the calling thread: starting a parallel region costs more than a small call
-        code, bad, value = validate_bags(bags, out.shape[0], weight.shape[0])
+        code, bad, value = check_offsets(bags, out.shape[0])
         if code:
             return code, bad, value
-        pool_all(weight, bags, out)
+        bad = pool_all(weight, bags, out)
+        if bad >= 0:
+            return 6, bad, np.int64(bags[0][bad])
         return 0, 0, 0
     return forward_serial
 
@@ -369,7 +387,10 @@ def _kernels(rows, dim, bf16, threads, nnz, nbags):
 
 def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_weights=None,
                           include_last_offset=False, out=None):
-    """Pooled rows per bag; weight: (R, D) float32 or SplitBF16Table, indices: (nnz,), offsets: (B,) -> (B, D)."""
+    """Pooled rows per bag; weight: (R, D) float32 or SplitBF16Table, indices: (nnz,), offsets: (B,) -> (B, D).
+
+    An index outside the table raises IndexError naming it; `out`'s bags before its bag may be
+    written by then (the table never is)."""
     w, bf16 = check_table(weight)
     R, D = w.shape
     bags, nbags = check_bag_args(indices, offsets, mode, per_sample_weights, include_last_offset)
@@ -387,7 +408,7 @@ def embedding_bag_forward(weight, indices, offsets, *, mode="sum", per_sample_we
         chooser.record(choice, (time.perf_counter() - t0) / max(nnz, 1))
     else:
         code, pos, val = kern(w, bags, min(_CHUNKS, nbags), dest)
-    if code:  # found before anything was written
+    if code:  # bad offsets before anything is written; an index outside the table as its bag is pooled
         raise_bag_error(code, pos, val, "weight", R, nnz)
     if dest is not out:
         np.copyto(out, dest)
