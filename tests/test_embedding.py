@@ -185,10 +185,10 @@ def test_specialised_widths(dim):
 
 
 @pytest.mark.parametrize("dim", [*SPECIALISED_D, 37])
-def test_forward_sums_of_signed_zeros_keep_the_reference_bits(dim):
-    """A bag's sum starts from its first row, not from +0.0, as the reference's: a bag of -0.0 rows
-    sums to -0.0 (one row, or several), a -0.0 beside a +0.0 to +0.0; sum, mean and weighted, the
-    pooling loop and the one-row copy."""
+def test_sums_of_signed_zeros_keep_the_reference_bits(dim):
+    """Sums start from +0.0, as the reference's (and torch's): a bag of -0.0 rows sums to +0.0 (one
+    row, or several); sum, mean and weighted, the pooling loop and the one-row copy; and the
+    backward's coalesced gradient rows alike."""
     w = np.zeros((4, dim), np.float32)
     w[0], w[1], w[2, ::2], w[3] = -0.0, -0.0, -0.0, 1.0
     weights = np.array([1, 2, 3, 4, 5, 6, 0.5], np.float32)
@@ -200,6 +200,14 @@ def test_forward_sums_of_signed_zeros_keep_the_reference_bits(dim):
                 want = reference.embedding_bag_forward(w, idx, off, **kw)
                 np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32),
                                               err_msg=f"{type(table).__name__} {idx} {kw}")
+    # the backward's coalesced rows start from +0.0 too: a row whose occurrences' rows are -0.0
+    idx, off = np.array([0, 1, 0, 2], np.int64), np.array([0, 1, 3], np.int64)
+    dout = np.zeros((3, dim), np.float32)
+    dout[0], dout[1, ::2] = -0.0, -0.0
+    rows, drows = embedding_bag_backward(idx, off, dout, 4)
+    want_rows, want_drows = reference.embedding_bag_backward(idx, off, dout, 4)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(drows.view(np.uint32), want_drows.view(np.uint32))
 
 
 @pytest.mark.parametrize("sizes", [[1] * 9, [0, 2, 1, 1], [1, 1, 0, 2, 1], [2, 0, 1], [1, 1, 1, 0]])

@@ -103,12 +103,12 @@ def _walker(DC, PF, listed, exact=False):
             j = heads[i] if listed else j0 + i
             if listed or head[j]:
                 k = j
-                first = True
+                for d in range(DC if DC else D):  # from +0.0, as grouping.group_gradient
+                    acc[0, d] = 0.0
                 while k >= 0:  # the list, in ascending position; most lists have one entry
                     b = k if unit else ebag[k]
                     sc = entry_scale(psw, k, mean, bag_size(offsets, b, nbags, n, last)) if scaled else one
-                    madd_row(acc, 0, dout, b, sc, D, DC, first)
-                    first = False
+                    madd_row(acc, 0, dout, b, sc, D, DC, False)
                     k = nxt[k]
                 update_row(table, state, indices[j], acc, 0, lr, eps, D, DC)
 

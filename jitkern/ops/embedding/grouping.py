@@ -270,8 +270,11 @@ def sorted_groups(bags, nbags, num_rows, table_name):
 
 @jit(inline="always")
 def group_gradient(acc, dout, groups, g, D, DC):
-    """acc[0] = the coalesced gradient of row group g: its occurrences' scaled dout rows, added in
-    position order."""
+    """acc[0] = the coalesced gradient of row group g: +0.0 plus its occurrences' scaled dout rows,
+    added in position order (from +0.0 as the reference's sums, with no first-entry case in the
+    loop: see forward.pool_bag)."""
     sbag, sscale, group = groups[1], groups[2], groups[3]
+    for d in range(DC if DC else D):
+        acc[0, d] = 0.0
     for k in range(group[g], group[g + 1]):
-        madd_row(acc, 0, dout, sbag[k], sscale[k], D, DC, k == group[g])
+        madd_row(acc, 0, dout, sbag[k], sscale[k], D, DC, False)
