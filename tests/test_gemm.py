@@ -14,6 +14,7 @@ from jitkern.ops import reference as ref
 import isa_switch
 
 G = importlib.import_module("jitkern.ops.gemm")
+GB = importlib.import_module("jitkern.ops.gemm_knobs")
 GK = importlib.import_module("jitkern.ops.gemm_kernel")
 EPS = np.finfo(np.float32).eps
 # 1..300 with the awkward sizes over-represented: 1, primes, around the tile sizes
@@ -201,7 +202,7 @@ def test_weight_grad_layouts_give_identical_bits(n, k, m, seed):
 def test_weight_grad_layout_follows_the_register_tile():
     # dw.T where it fills many more of the tile's lanes (an input MR wide: dw.T's rows fill one row
     # tile, dw's columns MR of NR lanes); dw at equal use
-    mr, nr, _ = G.tile_shape()
+    mr, nr, _ = GB.tile_shape()
     t = numba.get_num_threads()
     assert G.DW_LAYOUT.heuristic((4 * nr, mr, 2048, t))["transposed"] == (nr > mr)
     assert not G.DW_LAYOUT.heuristic((4 * nr, 8 * nr, 2048, t))["transposed"]
@@ -321,9 +322,9 @@ def test_gemm_mask_over_k_passes_blocks_and_edge_tiles(m, n, k, mc, kc, nc, kind
     rng = np.random.default_rng(seed)
     a, b, mask = arrays(rng, m, k), arrays(rng, k, n), relu_output(rng, m, n)
     given = {"float32": mask, "bool": mask > 0, "uint8": (mask > 0) * rng.integers(1, 256, (m, n)).astype(np.uint8)}
-    blocks = G.shape_blocks({"mc": mc, "kc": kc}, m, n, k, 1)
-    plain = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks)
-    got = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, mask=given[kind])
+    blocks = GB.shape_blocks({"mc": mc, "kc": kc}, m, n, k, 1)
+    plain = GB.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks)
+    got = GB.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, mask=given[kind])
     np.testing.assert_array_equal(got.view(np.uint32), np.where(mask > 0, plain, np.float32(0.0)).view(np.uint32))
 
 
@@ -335,10 +336,10 @@ def test_gemm_mask_out_is_the_outputs_sign_over_blocks_and_edge_tiles(m, n, k, m
     rng = np.random.default_rng(seed)
     a, b, bv = arrays(rng, m, k), arrays(rng, k, n), arrays(rng, n) if bias else None
     a[rng.integers(0, m), rng.integers(0, k)] = np.nan
-    blocks = G.shape_blocks({"mc": mc, "kc": kc}, m, n, k, 1)
-    plain = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, bias=bv, relu=relu)
+    blocks = GB.shape_blocks({"mc": mc, "kc": kc}, m, n, k, 1)
+    plain = GB.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, bias=bv, relu=relu)
     mask = np.ones((m, n), np.bool_)
-    got = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, bias=bv, relu=relu, mask_out=mask)
+    got = GB.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks, bias=bv, relu=relu, mask_out=mask)
     np.testing.assert_array_equal(got.view(np.uint32), plain.view(np.uint32))
     np.testing.assert_array_equal(mask, plain > 0)
 
@@ -365,16 +366,16 @@ def test_fused_b_pack_of_one_row_block_matches_b_packed_whole(m, n, k, kc, ta, a
     # a transposed B under one row block is packed panel by panel as the tiles need it (ragged
     # panels zero-padded, each K pass its own slice); several row blocks pack it whole first.
     # Both run the same FMA chains: identical bits, and the reference within rounding
-    m += G.tile_shape()[0]  # more rows than one tile: a second row block exists
+    m += GB.tile_shape()[0]  # more rows than one tile: a second row block exists
     rng = np.random.default_rng(seed)
     a, b = arrays(rng, k, m) if ta else arrays(rng, m, k), arrays(rng, n, k)
     c0, bv = arrays(rng, m, n), arrays(rng, n) if bias else None
     kw = dict(alpha=alpha, beta=beta, bias=bv, relu=relu)
-    one = G.shape_blocks({"mc": m, "kc": kc}, m, n, k, 1)
-    many = G.shape_blocks({"mc": 1, "kc": kc}, m, n, k, 1)
+    one = GB.shape_blocks({"mc": m, "kc": kc}, m, n, k, 1)
+    many = GB.shape_blocks({"mc": 1, "kc": kc}, m, n, k, 1)
     assert one[0] >= m and many[0] < m
-    fused = G.gemm_into(a, b, c0.copy(), ta, True, one, **kw)
-    whole = G.gemm_into(a, b, c0.copy(), ta, True, many, **kw)
+    fused = GB.gemm_into(a, b, c0.copy(), ta, True, one, **kw)
+    whole = GB.gemm_into(a, b, c0.copy(), ta, True, many, **kw)
     np.testing.assert_array_equal(fused.view(np.uint32), whole.view(np.uint32))
     want = alpha * ((a.T if ta else a).astype(np.float64) @ b.T.astype(np.float64)) + beta * c0
     want = want + bv if bias else want
@@ -394,17 +395,17 @@ def test_b_slab_per_task_matches_b_packed_whole(isa, rows, n, k, kc, ncp, ta, al
     if isa == "avx2" and host_target().detected_isa not in ("avx2", "avx512"):
         pytest.skip("host has no AVX2")
     with isa_switch.isa(isa):
-        mr, nr, _ = G.tile_shape()
+        mr, nr, _ = GB.tile_shape()
         # B is read in place for fewer than 16 row tiles unless its row stride is 2 KiB-aligned
         m = rows + (2 * mr + 1 if n % 512 == 0 else 16 * mr)
         rng = np.random.default_rng(seed)
         a, b = arrays(rng, k, m) if ta else arrays(rng, m, k), arrays(rng, k, n)
         c0, bv = arrays(rng, m, n), arrays(rng, n) if bias else None
         kw = dict(alpha=alpha, beta=beta, bias=bv, relu=relu)
-        one = (G._round_to(m, mr), kc, ncp * nr)
+        one = (GB._round_to(m, mr), kc, ncp * nr)
         assert GK.use_slab(False, m, n, one[0], mr, nr)
-        slab = G.gemm_into(a, b, c0.copy(), ta, False, one, **kw)
-        whole = G.gemm_into(a, b, c0.copy(), ta, False, (mr, kc, ncp * nr), **kw)
+        slab = GB.gemm_into(a, b, c0.copy(), ta, False, one, **kw)
+        whole = GB.gemm_into(a, b, c0.copy(), ta, False, (mr, kc, ncp * nr), **kw)
     np.testing.assert_array_equal(slab.view(np.uint32), whole.view(np.uint32))
     want = alpha * ((a.T if ta else a).astype(np.float64) @ b.astype(np.float64)) + beta * c0
     want = want + bv if bias else want
@@ -418,14 +419,14 @@ def test_b_read_in_place_matches_b_packed(n, k):
     # a small batch's dx reads B's rows where they lie (2 KiB-multiple strides included, the next
     # panel hinted ahead, K passes that keep a pass's rows in L2); B given transposed is packed
     # instead. The same FMA chains either way: identical bits, for the heuristic's blocks and others
-    mr, nr, _ = G.tile_shape()
+    mr, nr, _ = GB.tile_shape()
     rng = np.random.default_rng(n + k)
     for m in (3 * mr + 1, 40):
         a, b = arrays(rng, m, k), arrays(rng, k, n)
-        packed = G.gemm_into(a, np.ascontiguousarray(b.T), np.empty((m, n), np.float32), False, True,
-                             G.shape_blocks({"mc": m, "kc": k}, m, n, k, 1))
-        for blocks in (G.blocks_for("linear_dx", m, n, k, 1), G.shape_blocks({"mc": 2 * mr, "kc": 64}, m, n, k, 1)):
-            got = G.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks)
+        packed = GB.gemm_into(a, np.ascontiguousarray(b.T), np.empty((m, n), np.float32), False, True,
+                             GB.shape_blocks({"mc": m, "kc": k}, m, n, k, 1))
+        for blocks in (GB.blocks_for("linear_dx", m, n, k, 1), GB.shape_blocks({"mc": 2 * mr, "kc": 64}, m, n, k, 1)):
+            got = GB.gemm_into(a, b, np.empty((m, n), np.float32), False, False, blocks)
             np.testing.assert_array_equal(got.view(np.uint32), packed.view(np.uint32))
         assert_close(packed, a.astype(np.float64) @ b.astype(np.float64), np.abs(a).max() * np.abs(b).max(), k)
 
@@ -465,16 +466,16 @@ def test_row_strided_operands_give_the_bits_of_their_contiguous_copies(isa, m, n
     if stride512 and not tb:  # B's rows 512 floats apart: packed where a contiguous B of n columns is read in place
         pb = 512 - n % 512 if n % 512 else 0
     with isa_switch.isa(isa):
-        mr, nr, _ = G.tile_shape()
-        blocks = G.shape_blocks({"mc": mc * mr, "kc": kc}, m, n, k, 1)
+        mr, nr, _ = GB.tile_shape()
+        blocks = GB.shape_blocks({"mc": mc * mr, "kc": kc}, m, n, k, 1)
         blocks = (blocks[0], blocks[1], min(blocks[2], ncp * nr))
         mask = arrays(rng, m, n) if masked == "mask" else None
         outs = [np.zeros((m, n), np.bool_) if masked == "mask_out" else None for _ in range(2)]
         kw = dict(alpha=alpha, beta=beta, bias=bv, relu=relu, mask=mask)
-        want = G.gemm_into(a, b, c0.copy(), ta, tb, blocks, mask_out=outs[0], **kw)
+        want = GB.gemm_into(a, b, c0.copy(), ta, tb, blocks, mask_out=outs[0], **kw)
         av, bv_, cv = _in_wider(rng, a, pa), _in_wider(rng, b, pb), _in_wider(rng, c0.copy(), pc)
         around = None if cv.base is None else cv.base.copy()
-        got = G.gemm_into(av, bv_, cv, ta, tb, blocks, mask_out=outs[1], **kw)
+        got = GB.gemm_into(av, bv_, cv, ta, tb, blocks, mask_out=outs[1], **kw)
     assert got is cv
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     if masked == "mask_out":
@@ -502,15 +503,15 @@ def test_every_b_path_reads_row_strided_operands(isa, path, ta):
     m, n, k, tb, nblocks, kc, pad = B_PATHS[path]
     rng = np.random.default_rng(len(path))
     with isa_switch.isa(isa):
-        mr, nr, _ = G.tile_shape()
-        blocks = G.shape_blocks({"mc": G._round_to(-(-m // nblocks), mr), "kc": kc}, m, n, k, 1)
+        mr, nr, _ = GB.tile_shape()
+        blocks = GB.shape_blocks({"mc": GB._round_to(-(-m // nblocks), mr), "kc": kc}, m, n, k, 1)
         if path == "slab":
             assert GK.use_slab(False, m, n + pad, blocks[0], mr, nr)
         a, b = arrays(rng, k, m) if ta else arrays(rng, m, k), arrays(rng, n, k) if tb else arrays(rng, k, n)
         c0 = arrays(rng, m, n)
         kw = dict(alpha=-0.5, beta=1.0, bias=arrays(rng, n), relu=True)
-        want = G.gemm_into(a, b, c0.copy(), ta, tb, blocks, **kw)
-        got = G.gemm_into(_in_wider(rng, a, 5), _in_wider(rng, b, pad), _in_wider(rng, c0.copy(), 3), ta, tb, blocks,
+        want = GB.gemm_into(a, b, c0.copy(), ta, tb, blocks, **kw)
+        got = GB.gemm_into(_in_wider(rng, a, 5), _in_wider(rng, b, pad), _in_wider(rng, c0.copy(), 3), ta, tb, blocks,
                           **kw)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
@@ -546,7 +547,7 @@ def test_k1_outer_product_path_with_every_epilogue(m, n, alpha):
     for kw in ({}, {"bias": bias}, {"bias": bias, "relu": True}, {"mask": mask}, {"bias": bias, "mask": mask},
                {"mask": mask > 0}, {"bias": bias, "relu": True, "mask_out": np.zeros((m, n), np.bool_)}):
         c = np.full((m, n), np.nan, np.float32)
-        got = G.gemm_into(a, b, c, False, False, G.shape_blocks({"mc": 12, "kc": 1}, m, n, 1, 1), alpha=alpha, **kw)
+        got = GB.gemm_into(a, b, c, False, False, GB.shape_blocks({"mc": 12, "kc": 1}, m, n, 1, 1), alpha=alpha, **kw)
         want = (np.float32(alpha) * a) * b  # one rounding of each product, as the register tile's
         want = want + bias if "bias" in kw else want
         want = np.maximum(want, 0) if kw.get("relu") else want
@@ -608,7 +609,7 @@ def test_lower_isa_paths(monkeypatch, isa):
     if isa == "avx2" and host_target().detected_isa not in ("avx2", "avx512"):
         pytest.skip("host has no AVX2")
     monkeypatch.setenv("JITKERN_ISA", isa)
-    assert G.tile_shape()[2] == (8 if isa == "avx2" else 1)
+    assert GB.tile_shape()[2] == (8 if isa == "avx2" else 1)
     rng = np.random.default_rng(4)
     x, w, b = arrays(rng, 67, 129), arrays(rng, 45, 129), arrays(rng, 45)
     y = linear_forward(x, w, b, activation="relu")
@@ -727,7 +728,7 @@ def test_stream_knob_poses_the_write_bound_gemms_and_times_both_choices():
     # of <= STREAM_MAX_K rows, as (m, n, k, threads) with C (m, n); the heuristic is a candidate
     # and the runner runs each (the bits are the same either way: the test below)
     from jitkern.codegen.knobs import Workload
-    GM = importlib.import_module("jitkern.ops.gemm")
+    GM = importlib.import_module("jitkern.ops.gemm_knobs")
     l2 = host_target().l2
     wide = 2 * l2 // (4 * 1024)  # the weight gradient (wide x 1024) of a 32-row batch is beyond L2
     w = Workload(linears=((2048, 13, 512), (32, 1024, wide), (2048, 512, 256), (32, 13, 16)), threads=(1, 2))
@@ -746,7 +747,7 @@ def test_write_bound_gemm_streams_c_with_the_same_bits(monkeypatch):
     # count, with the same bits as cached stores
     from jitkern.codegen import target_isa
     from jitkern.ops.workspace import empty_aligned
-    GK, GM = importlib.import_module("jitkern.ops.gemm_kernel"), importlib.import_module("jitkern.ops.gemm")
+    GK, GM = importlib.import_module("jitkern.ops.gemm_kernel"), importlib.import_module("jitkern.ops.gemm_knobs")
     rng = np.random.default_rng(3)
     n, k = 1024, 13
     m = (host_target().l2 // (4 * n) + 64) // 64 * 64 + 16  # C beyond L2; a half panel at the edge

@@ -14,6 +14,7 @@ from jitkern.ops import linear_backward, linear_forward
 from jitkern.ops import reference as ref
 
 G = importlib.import_module("jitkern.ops.gemm")
+GB = importlib.import_module("jitkern.ops.gemm_knobs")
 CACHES = [None, *sorted(CACHE_PRESETS)]  # the host's, then the CPUs we stand in for
 
 
@@ -97,25 +98,25 @@ def test_heuristic_and_thread_shaping(caches):
     """Blocks fit the (stand-in) caches, and threads get even work: split by rows where there are
     enough row blocks, by columns too where there are not (the expectation follows the model)."""
     t = caches
-    mr, nr, _ = G.tile_shape()
-    h = G.heuristic_blocks("linear_forward", 2048, 1024, 1000)
+    mr, nr, _ = GB.tile_shape()
+    h = GB.heuristic_blocks("linear_forward", 2048, 1024, 1000)
     assert h["mc"] % mr == 0 and h["kc"] % 4 == 0 and 64 <= h["kc"] <= 512
     assert h["mc"] * h["kc"] * 4 <= max(t.l2 // 4, mr * h["kc"] * 4)  # the A block in a quarter of L2
     for threads in (1, 2, 3):
-        mc, kc, nc = G.shape_blocks(h, 2048, 1024, 1000, threads)
+        mc, kc, nc = GB.shape_blocks(h, 2048, 1024, 1000, threads)
         nib, njb = -(-2048 // mc), -(-1024 // nc)
         assert mc % mr == 0 and nc % nr == 0 and kc >= 1
         assert (nib * njb) % threads == 0 or nib * njb >= 4 * threads
     m, n, k = 64, 512, 2048
-    h = G.heuristic_blocks("linear_forward", m, n, k)
-    mc, kc, nc = G.shape_blocks(h, m, n, k, 2)
+    h = GB.heuristic_blocks("linear_forward", m, n, k)
+    mc, kc, nc = GB.shape_blocks(h, m, n, k, 2)
     nib, njb = -(-m // mc), -(-n // nc)
     assert kc < k and nib * njb >= 2 and (nib * njb) % 2 == 0
-    if -(-m // G._round_to(h["mc"], mr)) < 4:   # fewer row blocks than 2 per thread: columns split
+    if -(-m // GB._round_to(h["mc"], mr)) < 4:   # fewer row blocks than 2 per thread: columns split
         assert njb >= 2
     m, n, k = 1024, nr, 1024                     # one column panel (a small batch run transposed): rows split
     for threads in (2, 3):
-        mc, kc, nc = G.shape_blocks(G.heuristic_blocks("linear_forward_t", m, n, k), m, n, k, threads)
+        mc, kc, nc = GB.shape_blocks(GB.heuristic_blocks("linear_forward_t", m, n, k), m, n, k, threads)
         assert -(-n // nc) == 1 and -(-m // mc) >= threads
 
 
@@ -133,25 +134,25 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
     more than two row tiles gives K passes of at most the rows of L2 (or 64), even where one pass
     would do, by one or two a long K loop all the same; A's columns read in place (a C of one
     column panel) at most the rows of L2; a block is never taller than C."""
-    mr, _, _ = G.tile_shape()
-    h = G.heuristic_blocks(variant, m, n, k)
+    mr, _, _ = GB.tile_shape()
+    h = GB.heuristic_blocks(variant, m, n, k)
     mc, kc = h["mc"], h["kc"]
-    assert mc % mr == 0 and mr <= mc <= G._round_to(m, mr) and kc % 4 == 0
+    assert mc % mr == 0 and mr <= mc <= GB._round_to(m, mr) and kc % 4 == 0
     rows_per_page = max(1, 4096 // (n * 4))
-    whole_c = mc == G._round_to(m, mr) and m * n * 4 <= caches.l2 // 2
+    whole_c = mc == GB._round_to(m, mr) and m * n * 4 <= caches.l2 // 2
     streams = caches.page_streams
     l2_rows = (caches.l2 // 4) // (max(kc, 128) * 4)  # the A block's rows in a quarter of L2
     if not whole_c and mc > mr and streams:
         assert -(-mc // rows_per_page) <= max(1, kc // 2, streams)
-    if mc < G._round_to(m, mr) and kc < 2 * max(streams, 32):  # a short K loop: still a strip of page_streams
+    if mc < GB._round_to(m, mr) and kc < 2 * max(streams, 32):  # a short K loop: still a strip of page_streams
         assert mc >= min((streams * rows_per_page if streams else l2_rows) - mr, l2_rows - mr, 512 // mr * mr)
     tb = variant.startswith("linear_forward")
-    b_in_place = G.b_in_place(tb, m, n, mr, G.tile_shape()[1])
+    b_in_place = GB.b_in_place(tb, m, n, mr, GB.tile_shape()[1])
     if b_in_place and k > 64 and m > 2 * mr:
         assert kc <= max(64, caches.l2 // (n * 4))
     if b_in_place and m <= 2 * mr and k >= 512:
         assert kc >= 256
-    if variant in ("linear_dw", "linear_dwt") and n <= G.tile_shape()[1] and k > 64:  # A's columns in place
+    if variant in ("linear_dw", "linear_dwt") and n <= GB.tile_shape()[1] and k > 64:  # A's columns in place
         assert kc <= max(64, caches.l2 // (m * 4))  # their kc rows fit L2 even in the fewest sets
 
 
@@ -164,7 +165,7 @@ def test_page_streams_follow_the_cpu(monkeypatch):
     for preset in ("zen3", "skylake-sp"):
         monkeypatch.setenv("JITKERN_CACHE_SIZES", preset)
         assert host_target().page_streams == PRESET_PAGE_STREAMS[preset]
-        strips[preset] = G.heuristic_blocks("linear_dw", 1024, 1024, 32)["mc"]
+        strips[preset] = GB.heuristic_blocks("linear_dw", 1024, 1024, 32)["mc"]
     assert strips["skylake-sp"] <= 32 < strips["zen3"]  # 4 KiB C rows: a row a page
     monkeypatch.setenv("JITKERN_CACHE_SIZES", "l2=512K")  # sizes alone keep the host's prefetcher
     assert host_target().page_streams == detected_target().page_streams
@@ -175,16 +176,16 @@ def test_a_small_c_takes_one_k_pass(caches):
     are at most a page long and B is packed within half of L2 (or read in place by at most two row
     tiles); a B packed beyond that goes by slabs of SLAB_ROW-float rows in half of L2; a longer K,
     a C too tall for one block, or B's rows reread in place beyond what L2 holds keep several."""
-    mr, nr, _ = G.tile_shape()
-    kmax = G.PAGE // 4
+    mr, nr, _ = GB.tile_shape()
+    kmax = GB.PAGE // 4
     for m, n, k in ((32, 1024, kmax), (32, 479, kmax), (12, 512, kmax // 2 + 4), (2 * mr, 1024, kmax),
                     (32, 512, 128)):
-        h = G.heuristic_blocks("linear_dx", m, n, k)
-        whole = G._round_to(m, mr)
-        reread = G.b_in_place(False, m, n, mr, nr) and m > 2 * mr and k * n * 4 > caches.l2
-        slab = not G.b_in_place(False, m, n, mr, nr) and k * n * 4 > caches.l2 // 2
+        h = GB.heuristic_blocks("linear_dx", m, n, k)
+        whole = GB._round_to(m, mr)
+        reread = GB.b_in_place(False, m, n, mr, nr) and m > 2 * mr and k * n * 4 > caches.l2
+        slab = not GB.b_in_place(False, m, n, mr, nr) and k * n * 4 > caches.l2 // 2
         if whole * k * 4 <= caches.l2 * 3 // 4 and m * n * 4 <= caches.l2 // 2 and slab:
-            rows = caches.l2 // 2 // (G.SLAB_ROW * 4)  # a slab's rows in half of L2
+            rows = caches.l2 // 2 // (GB.SLAB_ROW * 4)  # a slab's rows in half of L2
             # the slab fits (kc rounded up to whole vectors' worth of 4) in the fewest passes
             assert h["mc"] == whole and h["kc"] <= rows + 3 and -(-k // h["kc"]) == -(-k // rows), (m, n, k, h)
         elif whole * k * 4 <= caches.l2 * 3 // 4 and m * n * 4 <= caches.l2 // 2 and not reread:
@@ -193,8 +194,8 @@ def test_a_small_c_takes_one_k_pass(caches):
             assert h["mc"] == whole and h["kc"] < k and h["kc"] <= max(64, caches.l2 // (n * 4)), (m, n, k, h)
         else:
             assert caches.l2 < 512 << 10, "Zen 3's and Zen 4's caches hold these blocks"
-    assert G.heuristic_blocks("linear_dx", 32, 1024, 2 * kmax)["kc"] < 2 * kmax
-    assert G.heuristic_blocks("linear_dx", 2048, 1024, kmax)["kc"] <= 512
+    assert GB.heuristic_blocks("linear_dx", 32, 1024, 2 * kmax)["kc"] < 2 * kmax
+    assert GB.heuristic_blocks("linear_dx", 2048, 1024, kmax)["kc"] <= 512
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -204,13 +205,13 @@ def test_gemm_runners_time_the_problems_thread_count(monkeypatch, threads):
     import numba
     B = importlib.import_module("jitkern.ops.gemm_bf16")
     seen = []
-    for mod, name in ((G, "gemm_into"), (B, "gemm_bf16_into")):
+    for mod, name in ((GB, "gemm_into"), (B, "gemm_bf16_into")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _real=real, **kw: (seen.append(numba.get_num_threads()),
                                                                      _real(*a, **kw))[1])
     want = min(threads, numba.config.NUMBA_NUM_THREADS)
     other = 2 if want == 1 else 1
-    knob_runs = [(G.BLOCKS["linear_dw"], (64, 256, 96, threads)), (G.FORWARD_LAYOUT, (8, 64, 32, threads)),
+    knob_runs = [(GB.BLOCKS["linear_dw"], (64, 256, 96, threads)), (G.FORWARD_LAYOUT, (8, 64, 32, threads)),
                  (G.DW_LAYOUT, (64, 13, 96, threads)),
                  (B.BLOCKS["linear_forward"], (16, 64, 32, threads))]
     before = numba.get_num_threads()
@@ -226,26 +227,26 @@ def test_gemm_runners_time_the_problems_thread_count(monkeypatch, threads):
 
 
 def test_choice_follows_db_and_environment(db, monkeypatch):
-    kn = G.BLOCKS["linear_forward"]
+    kn = GB.BLOCKS["linear_forward"]
     p = (300, 200, 100, 1)
     heur = kn.choose(p)
-    assert heur == G.heuristic_blocks("linear_forward", *p)
+    assert heur == GB.heuristic_blocks("linear_forward", *p)
     tunedb.store(kn.name, kn.shape_class(p), {"mc": 12, "kc": 40})
     assert kn.choose(p) == {"mc": 12, "kc": 40}  # a store in this process is seen at once
     monkeypatch.setenv("JITKERN_NO_TUNE", "1")
     assert kn.choose(p) == heur
     monkeypatch.setenv("JITKERN_CACHE_SIZES", "skylake")
-    assert kn.choose(p) == G.heuristic_blocks("linear_forward", *p)
+    assert kn.choose(p) == GB.heuristic_blocks("linear_forward", *p)
 
 
 def test_tuned_small_blocks_drive_multi_pass_gemm(db):
     """Tiny tuned blocks force many row blocks and K passes through the same kernel."""
-    mr, nr, _ = G.tile_shape()
+    mr, nr, _ = GB.tile_shape()
     n, k, m = 50, 70, 37
-    fwd, dw = G.BLOCKS["linear_forward"], G.BLOCKS[G.dw_variant(m, k, mr, nr)]
+    fwd, dw = GB.BLOCKS["linear_forward"], GB.BLOCKS[G.dw_variant(m, k, mr, nr)]
     tunedb.store(fwd.name, fwd.shape_class((n, m, k, 1)), {"mc": mr, "kc": 8})
     tunedb.store(dw.name, dw.shape_class((m, k, n, 1)), {"mc": mr, "kc": 12})
-    assert G.blocks_for("linear_forward", n, m, k, 1)[:2] == (mr, 8)
+    assert GB.blocks_for("linear_forward", n, m, k, 1)[:2] == (mr, 8)
     rng = np.random.default_rng(0)
     x, w, b = (rng.standard_normal(s, dtype=np.float32) for s in ((n, k), (m, k), (m,)))
     y = linear_forward(x, w, b, activation="relu")

@@ -76,7 +76,8 @@ def tune_rows(batch: int, threads: int, rounds: int = 2, finalists: int = 3, min
     fresh times decide: the fastest of many noisy first timings is biased low (it is the one whose
     noise was kindest), which would flatter the field against the heuristic."""
     from ..codegen.knobs import get
-    from ..ops.gemm import DW_LAYOUT, FORWARD_LAYOUT, shape_blocks
+    from ..ops.gemm import DW_LAYOUT, FORWARD_LAYOUT
+    from ..ops.gemm_knobs import shape_blocks
     timer = _timer(threads, min_time)
     problems = {}
     for kin, kout in SHAPES:  # the variants the layout knobs' heuristics run (a small batch: transposed)

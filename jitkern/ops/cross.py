@@ -22,7 +22,9 @@ from ..codegen.bf16 import widen
 from ..codegen.vec import put
 from . import _check, cross_bf16
 from .bf16 import BF16Array
-from .gemm import blocks_for, dw_variant, linear_forward, tile_shape
+from .gemm import linear_forward
+from .gemm_blocking import dw_variant
+from .gemm_knobs import blocks_for, tile_shape
 from .gemm_kernel import gemm_into
 from .gemm_passes import transpose_into
 from .workspace import thread_buffer

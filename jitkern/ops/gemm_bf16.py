@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..codegen import host_target, num_threads
+from ..codegen import host_target
 from ..codegen.knobs import knob, on_threads, pow2_class
 from . import _check
 from .bf16 import BF16Array
@@ -30,7 +30,7 @@ OUT_DTYPES = (None, "float32", "bfloat16")
 
 
 def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> dict:
-    """(mc, kc) from the target's caches, as the fp32 GEMM's heuristic (ops/gemm.py) in bytes: a
+    """(mc, kc) from the target's caches, as the fp32 GEMM's heuristic (ops/gemm_knobs.py) in bytes: a
     kc x NR B micro-panel of about twice L1 (2 bytes a value natively, 4 once widened), the
     mc x kc A block in an eighth of L2. kc is then split evenly over K, in whole k pairs."""
     t = host_target()
@@ -45,7 +45,7 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
 
 def shape_blocks(params: dict, m: int, n: int, k: int, threads: int) -> tuple[int, int, int]:
     """(mc, kc, nc) for C (m x n) += A (m x k) B (k x n) from chosen (mc, kc), shaped as the fp32
-    GEMM's (ops/gemm.shape_blocks) for the bf16 tile; kc even unless it covers all of k."""
+    GEMM's (ops/gemm_knobs.shape_blocks) for the bf16 tile; kc even unless it covers all of k."""
     _, mr, nr, _ = bf16_tile()
     mc, kc = _round_to(int(params["mc"]), mr), max(2, int(params["kc"]) // 2 * 2)
     return split_for_threads(mc, kc, m, n, k, threads, (mr, nr))
@@ -82,11 +82,7 @@ blocks_for = BlockChoices(BLOCKS, shape_blocks)
 
 def _run(a, b, c, ta, tb, op, **kw):
     """gemm_bf16_into with the blocks of `op` for this shape and thread count."""
-    m, n = c.shape
-    if m == 0 or n == 0:
-        return c
-    k = a.shape[0] if ta else a.shape[1]
-    return gemm_bf16_into(a, b, c, ta, tb, blocks_for(op, m, n, k, num_threads()), **kw)
+    return blocks_for.run(gemm_bf16_into, a, b, c, ta, tb, op, **kw)
 
 
 # --------------------------------------------------------------------------- arguments

@@ -4,6 +4,7 @@ and the GEMMs a workload's linear layers pose, and the per-call memo of chosen b
 no kernel here."""
 from __future__ import annotations
 
+from ..codegen import num_threads
 from ..codegen.knobs import memo_choices
 
 
@@ -92,3 +93,12 @@ class BlockChoices:
 
     def __call__(self, variant: str, m: int, n: int, k: int, threads: int) -> tuple[int, int, int]:
         return self._chosen(variant, m, n, k, threads)
+
+    def run(self, driver, a, b, c, ta, tb, variant, **kw):
+        """driver(a, b, c, ta, tb, blocks, **kw) with the blocks of `variant` for this shape on the
+        current thread count; an empty C returns at once."""
+        m, n = c.shape
+        if m == 0 or n == 0:
+            return c
+        k = a.shape[0] if ta else a.shape[1]
+        return driver(a, b, c, ta, tb, self(variant, m, n, k, num_threads()), **kw)

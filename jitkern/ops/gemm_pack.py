@@ -47,7 +47,7 @@ def b_in_place(tb, m, ldb, mr, nr):
     tiles reuse it and a panel's row is under two cache lines (too few FMAs per row to hide the
     rereads: the AVX2 tile lost 20-30% so, the AVX-512 one gained). The sweep hints each next
     panel's rows while it computes the current one (rows a stride apart: no hardware prefetcher
-    follows them), and the blocking keeps a K pass's rows within L2 (ops/gemm.py)."""
+    follows them), and the blocking keeps a K pass's rows within L2 (ops/gemm_knobs.py)."""
     return not tb and m < 16 * mr and (ldb % 512 != 0 or m <= 2 * mr or nr * 4 >= 128)
 
 
