@@ -534,7 +534,7 @@ def test_gemm_op_takes_column_slices_in_place():
     t = buf[:40, 100:233].T  # (133, 40), its columns contiguous: taken transposed, in place
     t64 = t.astype(np.float64)
     assert_close(gemm(t, t, trans_b=True), t64 @ t64.T, np.abs(t64) @ np.abs(t64).T, 40)
-    with pytest.raises(ValueError, match="out must be row-contiguous"):
+    with pytest.raises(ValueError, match="out must have contiguous rows"):
         gemm(a, b, out=np.zeros((70, 80), np.float32)[:, ::2])
 
 
@@ -639,7 +639,7 @@ def test_validation_names_the_argument():
         gemm(f32, f32)
     with pytest.raises(ValueError, match="out must have shape"):
         gemm(f32, f32.T, np.empty((3, 3), np.float32))
-    with pytest.raises(ValueError, match="out must be row-contiguous"):
+    with pytest.raises(ValueError, match="out must have contiguous rows"):
         gemm(f32, f32.T, np.empty((4, 8), np.float32)[:, ::2])
     sq = np.ones((4, 4), np.float32)
     with pytest.raises(ValueError, match="out must not overlap"):

@@ -17,6 +17,10 @@ F32 = np.dtype(np.float32)
 I32, I64 = np.dtype(np.int32), np.dtype(np.int64)
 
 
+# what row_strided accepts, as the errors name it
+ROWS = "contiguous rows (a C-contiguous array or a column slice of one)"
+
+
 def _dtype_name(x) -> str:
     return str(getattr(x, "dtype", type(x).__name__))
 
@@ -42,8 +46,8 @@ def float_array(name, x, *, ndim=None, shape=None, copy=True, writeable=False, d
     if f.aligned and (f.c_contiguous or rows and row_strided(x)):
         return x
     if not copy:
-        what = "rows contiguous" if rows else "C-contiguous"
-        raise ValueError(f"{name} must be {what} and aligned (it is written in place)")
+        what = f"have {ROWS}" if rows else "be C-contiguous"
+        raise ValueError(f"{name} must {what} and be aligned (it is written in place)")
     return np.array(x, order="C")
 
 
@@ -153,5 +157,5 @@ def output(name, out, shape, *inputs, dtype=F32, rows=False):
     if not f.writeable:
         raise ValueError(f"{name} must be writeable")
     if not (f.c_contiguous or rows and f.aligned and row_strided(out)):
-        raise ValueError(f"{name} must be {'row-contiguous' if rows else 'C-contiguous'}")
+        raise ValueError(f"{name} must {f'have {ROWS} and be aligned' if rows else 'be C-contiguous'}")
     return no_overlap(name, out, *inputs)
