@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jitkern.codegen import host_target
+from jitkern.codegen.simd import SHORT_ROWS, TILES
 from jitkern.ops import BF16Array, batch_reduce_gemm, gemm, linear_backward, linear_forward
 from jitkern.ops import reference as ref
 
@@ -514,6 +515,54 @@ def test_every_b_path_reads_row_strided_operands(isa, path, ta):
         got = GB.gemm_into(_in_wider(rng, a, 5), _in_wider(rng, b, pad), _in_wider(rng, c0.copy(), 3), ta, tb, blocks,
                           **kw)
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "neon", "scalar"])
+def test_tail_tiles_cover_a_block_in_whole_short_tiles_or_not_at_all(isa):
+    # a block's rows: full tiles, the last of them an edge tile, or full tiles and then short ones
+    # that end exactly at the block's last row, never costing more rows of FMAs than the edge tile
+    mr, sr = TILES[isa][0], SHORT_ROWS[isa]
+    for mcb in range(1, 100):
+        full, short = GK.tail_tiles(mcb, mr, sr)
+        if short:
+            assert full * mr + short * sr == mcb
+        else:
+            assert full == -(-mcb // mr)
+        assert full * mr + short * sr <= -(-mcb // mr) * mr
+    if isa == "avx2":  # the 32-row GEMMs of a data-parallel step on 64 ranks
+        assert GK.tail_tiles(32, mr, sr) == (4, 2)
+
+
+@pytest.mark.parametrize("isa", STRIDED_ISAS)
+@given(m=st.integers(2, 70), n=st.integers(2, 300), k=st.integers(2, 300), blocks=st.sampled_from([1, 2, 3]),
+       kc=st.sampled_from([8, 64, 512]), ta=st.booleans(), one_panel=st.booleans(), beta=st.sampled_from([0.0, 1.0, -1.5]),
+       bias=st.booleans(), relu=st.booleans(), masked=st.sampled_from([None, "mask", "mask_out"]), seed=st.integers(0, 99))
+def test_rows_in_short_tail_tiles_get_the_bits_of_full_tiles(isa, m, n, k, blocks, kc, ta, one_panel, beta, bias, relu,
+                                                             masked, seed):
+    # the rows a block ends with (read in place from A: plain, or transposed with one column panel
+    # per block) run short tiles where tail_tiles says so; each C row must keep the bits it gets
+    # when its block is whole tiles (A and C with rows appended), masks and epilogues included
+    # (one row, one column or K = 1 take the matrix-vector and outer-product paths, no tile)
+    rng = np.random.default_rng(seed)
+    with isa_switch.isa(isa):
+        mr, nr, _ = GB.tile_shape()
+        mc = GB._round_to(-(-m // blocks), mr)
+        tall = -(-m // mc) * mc + mr  # every block of the tall GEMM is whole tiles
+        a, b = arrays(rng, k, tall) if ta else arrays(rng, tall, k), arrays(rng, k, n)
+        c0, bv, mask = arrays(rng, tall, n), arrays(rng, n) if bias else None, arrays(rng, tall, n)
+        ncap = nr if one_panel or ta else n
+        outs = [np.zeros((rows, n), np.bool_) if masked == "mask_out" else None for rows in (tall, m)]
+        kw = dict(beta=beta, bias=bv, relu=relu)
+        shaped = [GB.shape_blocks({"mc": mc, "kc": kc}, rows, n, k, 1) for rows in (tall, m)]
+        shaped = [(mcb, kcb, min(ncb, ncap)) for mcb, kcb, ncb in shaped]
+        want = GB.gemm_into(a, b, c0.copy(), ta, False, shaped[0], mask_out=outs[0],
+                            mask=mask if masked == "mask" else None, **kw)
+        a_m = a[:, :m] if ta else a[:m]
+        got = GB.gemm_into(np.ascontiguousarray(a_m), b, c0[:m].copy(), ta, False, shaped[1], mask_out=outs[1],
+                           mask=mask[:m].copy() if masked == "mask" else None, **kw)
+    np.testing.assert_array_equal(got.view(np.uint32), want[:m].view(np.uint32))
+    if masked == "mask_out":
+        np.testing.assert_array_equal(outs[1], outs[0][:m])
 
 
 def test_gemm_op_takes_column_slices_in_place():

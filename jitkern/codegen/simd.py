@@ -35,6 +35,10 @@ from .target import VECTOR_WIDTH
 # broadcast A value must fit in the register file (32 zmm / 16 ymm / 32 NEON q registers).
 # "scalar" emits width-1 vectors: plain scalar FMAs that LLVM may still SLP-vectorise.
 TILES = {"avx512": (8, 32), "avx2": (6, 16), "neon": (8, 12), "scalar": (4, 4)}
+# rows of the short tile (same NR) that ends a row block whose height leaves a remainder of them
+# (gemm_kernel.tail_tiles): as many accumulators as the FMA pipes keep in flight (two pipes of
+# four cycles: 8 vectors, 4 x 16 on AVX2), so a 32-row C runs as 4 x 6 + 2 x 4 rows, not 6 x 6
+SHORT_ROWS = {"avx512": 4, "avx2": 4, "neon": 4, "scalar": 2}
 
 _F32 = ir.FloatType()
 _I64 = ir.IntType(64)
@@ -53,6 +57,11 @@ STREAM = 4
 def tile_for(isa: str) -> tuple[int, int, int]:
     """(MR, NR, vector width) of the register tile used on `isa`."""
     return (*TILES[isa], VECTOR_WIDTH[isa])
+
+
+def short_rows(isa: str) -> int:
+    """Rows of `isa`'s short tail tile (SHORT_ROWS)."""
+    return SHORT_ROWS[isa]
 
 
 def tile_code(mr: int, nr: int, vw: int) -> int:

@@ -24,8 +24,8 @@ from numba import prange
 
 from ..codegen import KernelSpec, get_kernel, host_target, jit, kernel_factory, num_threads, target_isa, uidx as _u
 from ..codegen import knobs
-from ..codegen.simd import (MASK_BYTE, MASK_F32, MASK_OUT, NO_MASK, STREAM, fma_tile, store_fence, tile_code, tile_dims,
-                             tile_for)
+from ..codegen.simd import (MASK_BYTE, MASK_F32, MASK_OUT, NO_MASK, STREAM, fma_tile, short_rows, store_fence, tile_code,
+                             tile_dims, tile_for)
 from ..codegen.bf16 import relu_keep
 from .gemm_pack import (a_panel, b_in_place, b_panel, pack_a_block, pack_b_columns, pack_b_panel, pack_b_rows,
                         pack_b_slab, prefetch_c, prefetch_rows, prefetch_run, slab_mode, task_floats, task_parts)
@@ -50,20 +50,22 @@ def _scale_block(cf, ldc, blk, beta):
 
 
 @jit(inline="always")
-def _edge_tile(code, kcb, a_op, b_op, c_op, bias_op, flags, mask_op, tile, rows, cols):
-    """A tile with only rows x cols inside C: computed whole in the scratch `tile`, the valid part
-    copied to C (c_op = (flat C, offset, row stride)) and masked on the way, or its mask written
-    (mask_op: as C's, at the same offset); other arguments as fma_tile's."""
-    _, nr = tile_dims(code)
+def _edge_in(tile, nr, c_op, load, rows, cols):
+    """An edge tile (only rows x cols inside C) runs in the scratch `tile` (row stride nr): C's
+    current values copied in if they are accumulated onto (load). c_op = (flat C, offset, ldc)."""
     cf, coff, ldc = c_op
-    if flags[0]:  # load: C's current values are accumulated onto
+    if load:
         for r in range(rows):
             for q in range(cols):
                 tile[_u(r * nr + q)] = cf[_u(coff + r * ldc + q)]
+
+
+@jit(inline="always")
+def _edge_out(tile, nr, c_op, mode, mask_op, rows, cols):
+    """The valid part of an edge tile's scratch copied to C, masked on the way (mode MASK_F32 or
+    MASK_BYTE), or its mask written (MASK_OUT; mask_op: as C's, at the same offset)."""
+    cf, coff, ldc = c_op
     mf, mb, moff = mask_op
-    fma_tile(code, kcb, a_op, b_op, (tile, 0, nr), bias_op, (flags[0], flags[1], flags[2], flags[3], NO_MASK),
-             mask_op)
-    mode = flags[4] if flags[1] else NO_MASK
     if mode == MASK_F32:
         for r in range(rows):
             for q in range(cols):
@@ -83,7 +85,24 @@ def _edge_tile(code, kcb, a_op, b_op, c_op, bias_op, flags, mask_op, tile, rows,
 
 
 @jit(inline="always")
-def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, nxt):
+def tail_tiles(mcb, mr, sr):
+    """(full, short): a row block of mcb rows as `full` MR-row tiles, the last one an edge tile if
+    they overrun mcb, then `short` whole SR-row tiles. An edge tile costs a whole tile whatever rows
+    it keeps, so a remainder of rows that short tiles cover exactly (with one full tile's rows
+    added if need be: 32 = 4 x 6 + 2 x 4) goes to them. Their A rows are read in place."""
+    nf = mcb // mr
+    r = mcb - nf * mr
+    if r == 0:
+        return nf, 0
+    if r % sr == 0:
+        return nf, r // sr
+    if nf > 0 and (r + mr) % sr == 0:
+        return nf - 1, (r + mr) // sr
+    return nf + 1, 0
+
+
+@jit(inline="always")
+def _sweep_tiles(code, scode, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, nxt, tiles):
     """One K pass of one C block: the register tile over each of its MR x NR tiles.
 
     a_src = (flat A, packed A block), b_src = (packed B panels, flat B), c_dst = (flat C, flat
@@ -93,9 +112,11 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, 
     of A's, B's and C's storage; the masks are laid out as C); mode = (a_inplace, ta,
     b_inplace, b_fused, load, epi, use_bias, relu, mask_mode); b_fused: B is (n, k), each panel's
     K-pass slice packed into bp right before its tiles; nxt = (row, rows, col, cols): the block of B (k, n) the task
-    packs next (a slab), hinted into L2 a share before each tile (rows 0: none).
+    packs next (a slab), hinted into L2 a share before each tile (rows 0: none); scode: the short
+    tile, tiles = (full, short): the block's row tiles (tail_tiles; short ones need A in place).
     """
     mr, nr = tile_dims(code)
+    sr, _ = tile_dims(scode)
     aflat, ap = a_src
     bp, bflat = b_src
     cf, maskf, maskb = c_dst
@@ -104,9 +125,9 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, 
     m, n, k, ps, bp0, jp0, lda, ldb, ldc = geo
     a_inplace, ta, b_inplace, b_fused, load, epi, use_bias, relu, mask_mode = mode
     masking = mask_mode & (STREAM - 1) if epi else NO_MASK  # STREAM: full tiles only, in the last pass
-    flags = (load, epi, use_bias, relu, masking)
     full_flags = (load, epi, use_bias, relu, mask_mode if epi else NO_MASK)
-    nip = (mcb + mr - 1) // mr
+    nfull, nshort = tiles
+    nip = nfull + nshort
     nrow, nrows, ncol, ncols = nxt
     ntiles = ((j0 + ncb + nr - 1) // nr - j0 // nr) * nip
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
@@ -123,8 +144,9 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, 
             b_op = (bflat, p0 * ldb + jj, ldb)
         ahead = b_inplace and not b_fused and jj + 2 * nr <= min(n, j0 + ncb)  # the next panel: full, ours
         for ip in range(nip):
-            ii = i0 + ip * mr
-            mrem = min(mr, i0 + mcb - ii)
+            short = ip >= nfull
+            ii = i0 + (nfull * mr + (ip - nfull) * sr if short else ip * mr)
+            mrem = sr if short else min(mr, i0 + mcb - ii)
             if nrows > 0:
                 q = (jp - j0 // nr) * nip + ip
                 for r in range(q * nrows // ntiles, (q + 1) * nrows // ntiles):
@@ -132,7 +154,7 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, 
             if ahead:  # a share of the next panel's rows before each row tile: a burst of them all
                 r0 = ip * kcb // nip  # would fill the queue of misses the tile's own loads wait in
                 prefetch_rows(bflat, (p0 + r0) * ldb + jj + nr, ldb, (ip + 1) * kcb // nip - r0, nr * 4)
-            if a_inplace and mrem == mr:
+            if a_inplace and (short or mrem == mr):
                 a_op = (aflat, p0 * lda + ii, lda, 1) if ta else (aflat, ii * lda + p0, 1, lda)
             else:
                 a_op = (ap, ip * a_panel(kcb, mr), mr, 1)
@@ -142,12 +164,23 @@ def _sweep_tiles(code, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, 
                 prefetch_rows(maskf, coff, ldc, mrem, nrem * 4)
             elif masking == MASK_BYTE:
                 prefetch_rows(maskb, coff, ldc, mrem, nrem)
-            if mrem == mr and nrem == nr:
+            # one call site per tile code (each is inlined whole): edge tiles run in the scratch
+            rows = sr if short else mrem
+            whole = rows == (sr if short else mr) and nrem == nr
+            c_op = (cf, coff, ldc)
+            if whole:
                 if not full_flags[4] & STREAM:  # streamed C lines are never read
-                    prefetch_c(cf, coff, ldc, mr, nr * 4)
-                fma_tile(code, kcb, a_op, b_op, (cf, coff, ldc), (biasp, jj), full_flags, mask_op)
+                    prefetch_c(cf, coff, ldc, rows, nr * 4)
+                out, tile_flags = c_op, full_flags
             else:
-                _edge_tile(code, kcb, a_op, b_op, (cf, coff, ldc), (biasp, jj), flags, mask_op, tile, mrem, nrem)
+                _edge_in(tile, nr, c_op, load, rows, nrem)
+                out, tile_flags = (tile, 0, nr), (load, epi, use_bias, relu, NO_MASK)
+            if short:
+                fma_tile(scode, kcb, a_op, b_op, out, (biasp, jj), tile_flags, mask_op)
+            else:
+                fma_tile(code, kcb, a_op, b_op, out, (biasp, jj), tile_flags, mask_op)
+            if not whole:
+                _edge_out(tile, nr, c_op, masking, mask_op, rows, nrem)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -159,7 +192,7 @@ def _gemm_factory(spec: KernelSpec):
     # a once-per-tile select, which cost nothing as runtime flags, and one kernel per ISA keeps
     # compilation to a single build.
     MR, NR = spec["mr"], spec["nr"]
-    CODE = tile_code(MR, NR, spec["vw"])
+    CODE, SHORT = tile_code(MR, NR, spec["vw"]), tile_code(spec["sr"], NR, spec["vw"])
 
     # No numba runtime (nothing allocated: the padded bias lives in ws): the tile loop would
     # otherwise pay atomic reference counts on the arrays in its operand tuples, 6-8% at K = 32
@@ -227,12 +260,12 @@ def _gemm_factory(spec: KernelSpec):
                 for kb in prange((rows + 63) // 64):
                     pack_b_rows(bp, bflat[p0 * ldb:], kb, (n, rows, ps, ldb), 0, NR)
             for t in prange(nib * njb):
-                _block_passes(CODE, srcs, ws[bsize + t * tsize:bsize + (t + 1) * tsize], t, passes, geo, mode)
+                _block_passes(CODE, SHORT, srcs, ws[bsize + t * tsize:bsize + (t + 1) * tsize], t, passes, geo, mode)
     return gemm_kernel
 
 
 @jit(inline="always")
-def _block_passes(code, srcs, region, t, passes, geo, mode):
+def _block_passes(code, scode, srcs, region, t, passes, geo, mode):
     """K passes pa .. pb - 1 (of npc) of C block t (row block t // njb, column block t % njb): A
     packed into the task's region per pass (and B's panels too if b_fused), then the tiles.
     srcs = (flat A, packed B, flat B, flat C, flat float32 mask, flat byte mask, padded bias);
@@ -255,11 +288,13 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
     blk = (i0, min(mc, m - i0), j0, min(nc, n - j0))
     if pa == 0 and beta != 0.0 and beta != 1.0:
         _scale_block(cf, ldc, blk, beta)
+    tiles = tail_tiles(blk[1], mr, tile_dims(scode)[0]) if a_inplace else ((blk[1] + mr - 1) // mr, 0)
+    ablk = (blk[0], tiles[0] * mr, blk[2], blk[3]) if tiles[1] else blk  # short tiles: nothing to pack
     for pi in range(pa, pb):
         kpass = (pi * kc, min(kc, k - pi * kc))
         if slab:
             pack_b_slab(bp, bflat, (blk[2], blk[3], kc), kpass, n, ldb, nr)
-        pack_a_block(ap, aflat, blk, kpass, (m, k, lda), alpha, ta, a_inplace, mr)
+        pack_a_block(ap, aflat, ablk, kpass, (m, k, lda), alpha, ta, a_inplace, mr)
         flags = (a_inplace, ta, inplace, fused, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, mask_mode)
         geo_b = ((m, n, k, b_panel(kc, nr), kpass[0], blk[2] // nr, lda, ldb, ldc) if slab else
                  (m, n, k, ps, bp0, 0, lda, ldb, ldc))
@@ -268,7 +303,8 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
             nxt = ((pi + 1) * kc, min(kc, k - (pi + 1) * kc), blk[2], blk[3])
         elif slab and blk[2] + nc < n:  # the next block's first (this thread's, as the tasks go in order)
             nxt = (0, min(kc, k), blk[2] + nc, min(nc, n - blk[2] - nc))
-        _sweep_tiles(code, (aflat, ap), (bp, bflat), (cf, maskf, maskb), tile, biasp, blk, kpass, geo_b, flags, nxt)
+        _sweep_tiles(code, scode, (aflat, ap), (bp, bflat), (cf, maskf, maskb), tile, biasp, blk, kpass, geo_b, flags,
+                     nxt, tiles)
     if mask_mode & STREAM:
         store_fence()
 
@@ -276,7 +312,7 @@ def _block_passes(code, srcs, region, t, passes, geo, mode):
 @functools.lru_cache(maxsize=None)
 def _kernel(isa: str):
     mr, nr, vw = tile_for(isa)
-    return get_kernel(KernelSpec.make("gemm", mr=mr, nr=nr, vw=vw))
+    return get_kernel(KernelSpec.make("gemm", mr=mr, nr=nr, vw=vw, sr=short_rows(isa)))
 
 
 _DUMMY = np.zeros(1, np.float32)
@@ -288,7 +324,7 @@ NO_BYTES = np.zeros(1, np.uint8)  # the tile's byte mask operand where no byte m
 # C may be stored non-temporally when each element takes at most this many FMAs (a write-bound
 # GEMM: a layer on the 13 dense features, a small batch's weight gradient) and C does not fit in
 # L2: its lines would be read from memory only to be overwritten. Whether that pays is the
-# gemm.stream knob's choice, per CPU (declared in ops.gemm, with its tuning runner)
+# gemm.stream knob's choice, per CPU (declared in ops.gemm_knobs, with its tuning runner)
 STREAM_MAX_K = 32
 STREAM_KNOB = "gemm.stream"
 
