@@ -389,10 +389,11 @@ def test_fused_b_pack_of_one_row_block_matches_b_packed_whole(m, n, k, kc, ta, a
        kc=st.sampled_from([16, 64, 256]), ncp=st.sampled_from([1, 3, 1000]), ta=st.booleans(),
        alpha=st.sampled_from([1.0, -0.5]), beta=st.sampled_from([0.0, 1.0, -1.5]), bias=st.booleans(),
        relu=st.booleans(), seed=st.integers(0, 99))
-def test_b_slab_per_task_matches_b_packed_whole(isa, rows, n, k, kc, ncp, ta, alpha, beta, bias, relu, seed):
-    # one row block over a packed (k, n) B: each task packs its columns of B a K pass at a time
-    # (gemm_pack.slab_mode: ragged last panels, several column blocks, each next slab hinted);
-    # several row blocks pack B whole first. The same FMA chains: identical bits
+def test_one_row_block_packs_b_by_pass_with_the_bits_of_b_packed_whole(isa, rows, n, k, kc, ncp, ta, alpha, beta,
+                                                                        bias, relu, seed):
+    # one row block over a packed (k, n) B in K passes (a small batch's dx): the driver packs B a
+    # pass at a time (ragged last panels, several column blocks); in one pass it packs B whole
+    # first. The same FMA chains: identical bits
     if isa == "avx2" and host_target().detected_isa not in ("avx2", "avx512"):
         pytest.skip("host has no AVX2")
     with isa_switch.isa(isa):
@@ -403,15 +404,14 @@ def test_b_slab_per_task_matches_b_packed_whole(isa, rows, n, k, kc, ncp, ta, al
         a, b = arrays(rng, k, m) if ta else arrays(rng, m, k), arrays(rng, k, n)
         c0, bv = arrays(rng, m, n), arrays(rng, n) if bias else None
         kw = dict(alpha=alpha, beta=beta, bias=bv, relu=relu)
-        one = (GB._round_to(m, mr), kc, ncp * nr)
-        assert GK.use_slab(False, m, n, one[0], mr, nr)
-        slab = GB.gemm_into(a, b, c0.copy(), ta, False, one, **kw)
-        whole = GB.gemm_into(a, b, c0.copy(), ta, False, (mr, kc, ncp * nr), **kw)
-    np.testing.assert_array_equal(slab.view(np.uint32), whole.view(np.uint32))
+        assert not GB.b_in_place(False, m, n, mr, nr)
+        passes = GB.gemm_into(a, b, c0.copy(), ta, False, (GB._round_to(m, mr), kc, ncp * nr), **kw)
+        whole = GB.gemm_into(a, b, c0.copy(), ta, False, (GB._round_to(m, mr), k, ncp * nr), **kw)
+    np.testing.assert_array_equal(passes.view(np.uint32), whole.view(np.uint32))
     want = alpha * ((a.T if ta else a).astype(np.float64) @ b.astype(np.float64)) + beta * c0
     want = want + bv if bias else want
     want = np.maximum(want, 0) if relu else want
-    assert_close(slab, want.astype(np.float32), np.abs(a).max() * np.abs(b).max() * k + np.abs(c0).max() + 1, k)
+    assert_close(passes, want.astype(np.float32), np.abs(a).max() * np.abs(b).max() * k + np.abs(c0).max() + 1, k)
 
 
 @pytest.mark.parametrize("n", [512, 1024, 1000])
@@ -457,7 +457,7 @@ def test_row_strided_operands_give_the_bits_of_their_contiguous_copies(isa, m, n
                                                                         ncp, alpha, beta, bias, relu, masked, seed):
     # A, B and C as column slices of wider arrays are read and written at their row strides (B's
     # stride, a 2 KiB multiple or not, decides whether its rows are read in place or packed; a
-    # single row block packs slabs, a transposed B fused panels, long K passes by pass): the same
+    # transposed B under one row block packs fused panels, long K passes by pass): the same
     # FMA chains as on contiguous copies with the same blocks, so the same bits, and nothing
     # outside C's columns is written. Masks and the matrix-vector paths take contiguous copies.
     rng = np.random.default_rng(seed)
@@ -489,7 +489,7 @@ def test_row_strided_operands_give_the_bits_of_their_contiguous_copies(isa, m, n
 
 # (m, n, k, tb, row blocks, kc, B's row stride - n): one case per way the driver takes B
 B_PATHS = {"in place": (40, 300, 260, False, 1, 64, 10), "2 KiB rows packed": (40, 300, 260, False, 1, 64, 212),
-           "slab": (200, 300, 260, False, 1, 64, 10), "packed whole": (200, 300, 260, False, 9, 64, 10),
+           "one row block by pass": (200, 300, 260, False, 1, 64, 10), "packed whole": (200, 300, 260, False, 9, 64, 10),
            "packed by pass": (120, 300, 700, False, 5, 64, 10), "fused transposed": (40, 70, 300, True, 1, 64, 9),
            "transposed packed whole": (200, 70, 300, True, 9, 64, 9)}
 
@@ -498,16 +498,14 @@ B_PATHS = {"in place": (40, 300, 260, False, 1, 64, 10), "2 KiB rows packed": (4
 @pytest.mark.parametrize("path", B_PATHS)
 @pytest.mark.parametrize("ta", [False, True])
 def test_every_b_path_reads_row_strided_operands(isa, path, ta):
-    # each of the driver's ways to take B (read in place, packed whole, by K pass, per task's slab,
-    # per panel when transposed) on operands and an output whose rows are wider apart than they
+    # each of the driver's ways to take B (read in place, packed whole, by K pass under one row block
+    # or several, per panel when transposed) on operands and an output whose rows are wider apart than they
     # are long: the bits of their contiguous copies
     m, n, k, tb, nblocks, kc, pad = B_PATHS[path]
     rng = np.random.default_rng(len(path))
     with isa_switch.isa(isa):
         mr, nr, _ = GB.tile_shape()
         blocks = GB.shape_blocks({"mc": GB._round_to(-(-m // nblocks), mr), "kc": kc}, m, n, k, 1)
-        if path == "slab":
-            assert GK.use_slab(False, m, n + pad, blocks[0], mr, nr)
         a, b = arrays(rng, k, m) if ta else arrays(rng, m, k), arrays(rng, n, k) if tb else arrays(rng, k, n)
         c0 = arrays(rng, m, n)
         kw = dict(alpha=-0.5, beta=1.0, bias=arrays(rng, n), relu=True)

@@ -174,7 +174,7 @@ def test_page_streams_follow_the_cpu(monkeypatch):
 def test_a_small_c_takes_one_k_pass(caches):
     """One block holding all of a small C (a small batch's dx) takes K in one pass while A's rows
     are at most a page long and B is packed within half of L2 (or read in place by at most two row
-    tiles); a B packed beyond that goes by slabs of SLAB_ROW-float rows in half of L2; a longer K,
+    tiles); a B packed beyond that goes in K passes of PASS_ROW_BYTES-long rows in half of L2; a longer K,
     a C too tall for one block, or B's rows reread in place beyond what L2 holds keep several."""
     mr, nr, _ = GB.tile_shape()
     kmax = GB.PAGE // 4
@@ -183,10 +183,10 @@ def test_a_small_c_takes_one_k_pass(caches):
         h = GB.heuristic_blocks("linear_dx", m, n, k)
         whole = GB._round_to(m, mr)
         reread = GB.b_in_place(False, m, n, mr, nr) and m > 2 * mr and k * n * 4 > caches.l2
-        slab = not GB.b_in_place(False, m, n, mr, nr) and k * n * 4 > caches.l2 // 2
-        if whole * k * 4 <= caches.l2 * 3 // 4 and m * n * 4 <= caches.l2 // 2 and slab:
-            rows = caches.l2 // 2 // (GB.SLAB_ROW * 4)  # a slab's rows in half of L2
-            # the slab fits (kc rounded up to whole vectors' worth of 4) in the fewest passes
+        by_pass = not GB.b_in_place(False, m, n, mr, nr) and k * n * 4 > caches.l2 // 2
+        if whole * k * 4 <= caches.l2 * 3 // 4 and m * n * 4 <= caches.l2 // 2 and by_pass:
+            rows = caches.l2 // 2 // GB.PASS_ROW_BYTES
+            # passes of at most that many rows (kc rounded up to whole vectors' worth of 4), the fewest
             assert h["mc"] == whole and h["kc"] <= rows + 3 and -(-k // h["kc"]) == -(-k // rows), (m, n, k, h)
         elif whole * k * 4 <= caches.l2 * 3 // 4 and m * n * 4 <= caches.l2 // 2 and not reread:
             assert h == {"mc": whole, "kc": k}, (m, n, k, h)

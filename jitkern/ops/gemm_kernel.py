@@ -27,8 +27,8 @@ from ..codegen import knobs
 from ..codegen.simd import (MASK_BYTE, MASK_F32, MASK_OUT, NO_MASK, STREAM, fma_tile, short_rows, store_fence, tile_code,
                              tile_dims, tile_for)
 from ..codegen.bf16 import relu_keep
-from .gemm_pack import (a_panel, b_in_place, b_panel, pack_a_block, pack_b_columns, pack_b_panel, pack_b_rows,
-                        pack_b_slab, prefetch_c, prefetch_rows, prefetch_run, slab_mode, task_floats, task_parts)
+from .gemm_pack import (a_panel, b_in_place, pack_a_block, pack_b_columns, pack_b_panel, pack_b_rows,
+                        prefetch_c, prefetch_rows, task_floats, task_parts)
 from .gemm_passes import relu_mask_into
 from .gemv_kernel import gemv_into, outer_into
 from .workspace import thread_buffer
@@ -102,7 +102,7 @@ def tail_tiles(mcb, mr, sr):
 
 
 @jit(inline="always")
-def _sweep_tiles(code, scode, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, nxt, tiles):
+def _sweep_tiles(code, scode, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo, mode, tiles):
     """One K pass of one C block: the register tile over each of its MR x NR tiles.
 
     a_src = (flat A, packed A block), b_src = (packed B panels, flat B), c_dst = (flat C, flat
@@ -111,8 +111,7 @@ def _sweep_tiles(code, scode, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo,
     ps, bp0, jp0: the first row and panel of B in its packed panels, lda, ldb, ldc: the row strides
     of A's, B's and C's storage; the masks are laid out as C); mode = (a_inplace, ta,
     b_inplace, b_fused, load, epi, use_bias, relu, mask_mode); b_fused: B is (n, k), each panel's
-    K-pass slice packed into bp right before its tiles; nxt = (row, rows, col, cols): the block of B (k, n) the task
-    packs next (a slab), hinted into L2 a share before each tile (rows 0: none); scode: the short
+    K-pass slice packed into bp right before its tiles; scode: the short
     tile, tiles = (full, short): the block's row tiles (tail_tiles; short ones need A in place).
     """
     mr, nr = tile_dims(code)
@@ -128,8 +127,6 @@ def _sweep_tiles(code, scode, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo,
     full_flags = (load, epi, use_bias, relu, mask_mode if epi else NO_MASK)
     nfull, nshort = tiles
     nip = nfull + nshort
-    nrow, nrows, ncol, ncols = nxt
-    ntiles = ((j0 + ncb + nr - 1) // nr - j0 // nr) * nip
     for jp in range(j0 // nr, (j0 + ncb + nr - 1) // nr):
         jj = jp * nr
         nrem = min(nr, n - jj)
@@ -147,10 +144,6 @@ def _sweep_tiles(code, scode, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo,
             short = ip >= nfull
             ii = i0 + (nfull * mr + (ip - nfull) * sr if short else ip * mr)
             mrem = sr if short else min(mr, i0 + mcb - ii)
-            if nrows > 0:
-                q = (jp - j0 // nr) * nip + ip
-                for r in range(q * nrows // ntiles, (q + 1) * nrows // ntiles):
-                    prefetch_run(bflat, (nrow + r) * ldb + ncol, ncols * 4)
             if ahead:  # a share of the next panel's rows before each row tile: a burst of them all
                 r0 = ip * kcb // nip  # would fill the queue of misses the tile's own loads wait in
                 prefetch_rows(bflat, (p0 + r0) * ldb + jj + nr, ldb, (ip + 1) * kcb // nip - r0, nr * 4)
@@ -203,11 +196,11 @@ def _gemm_factory(spec: KernelSpec):
         # mask_mode is MASK_F32, maskb: flat uint8 if MASK_BYTE or MASK_OUT, both laid out as C; ws:
         # float32 scratch; dims = (m, n, k, lda, ldb, ldc); scale = (alpha,
         # beta) float32; blocks = (mc, kc, nc); flags = (ta, tb, use_bias, relu, mask_mode: | STREAM
-        # stores C's full tiles non-temporally, each task fenced at its end, slab: see slab_mode)
+        # stores C's full tiles non-temporally, each task fenced at its end)
         m, n, k, lda, ldb, ldc = dims
         alpha, beta = scale
         mc, kc, nc = blocks
-        ta, tb, use_bias, relu, mask_mode, slab = flags
+        ta, tb, use_bias, relu, mask_mode = flags
         npan = (n + NR - 1) // NR
         # Pack B into k-major NR-wide panels (panel p at p * ps) unless b_in_place: packed, one
         # aligned cache line per NR floats instead of lines split at B's row stride, and the copy
@@ -227,15 +220,15 @@ def _gemm_factory(spec: KernelSpec):
         # time into one region that each pass rewrites while it is cached: B packed whole goes to
         # lines long evicted, each store a miss to memory first; C's blocks, revisited per pass
         # instead, are the smaller operand
-        by_pass = npc > 1 and not tb and not inplace and m < k and not slab
+        by_pass = npc > 1 and not tb and not inplace and m < k
         ps = (kc if by_pass else k) * NR + 16  # panel stride, one cache line more than needed: panels
         #                                        side by side would otherwise collide in L1 sets
-        bsize = 0 if fused or slab else npan * ps  # ws: [B panels | bias | per task: A block, B panel(s)]
+        bsize = 0 if fused else npan * ps  # ws: [B panels | bias | per task: A block, B panel(s)]
         bp, bflat = ws[:bsize], b
         if tb and not fused:
             for p in prange(packed):
                 pack_b_columns(bp, bflat, p, (n, k, ps, ldb), NR)
-        elif not tb and packed > 0 and not by_pass and not slab:
+        elif not tb and packed > 0 and not by_pass:
             for kb in prange((k + 63) // 64):
                 pack_b_rows(bp, bflat, kb, (n, k, ps, ldb), npan - packed, NR)
         nbias = (npan * NR + 15) // 16 * 16  # ws after the B panels: the bias, zero-padded to whole panels
@@ -248,9 +241,9 @@ def _gemm_factory(spec: KernelSpec):
         # follows), or transposed when each C block has one column panel (its packed copy would
         # be read only once)
         a_inplace = alpha == 1.0 and (not ta or nc <= NR)
-        tsize = task_floats(mc, kc, nc, MR, NR, slab)
+        tsize = task_floats(mc, kc, MR, NR)
         srcs = (aflat, bp, bflat, cf, mask, maskb, biasp)
-        mode = (alpha, beta, a_inplace, ta, inplace, fused, slab, use_bias, relu, mask_mode)
+        mode = (alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, mask_mode)
         geo = (m, n, k, mc, kc, nc, ps, lda, ldb, ldc)
         for step in range(npc if by_pass else 1):  # one call site: the tile code is inlined once
             passes = (step, step + 1, npc, step * kc) if by_pass else (0, npc, npc, 0)
@@ -270,17 +263,16 @@ def _block_passes(code, scode, srcs, region, t, passes, geo, mode):
     packed into the task's region per pass (and B's panels too if b_fused), then the tiles.
     srcs = (flat A, packed B, flat B, flat C, flat float32 mask, flat byte mask, padded bias);
     passes = (pa, pb, npc, bp0: B's first row in its packed panels); geo = (m, n, k, mc, kc, nc,
-    ps, lda, ldb, ldc); mode = (alpha, beta, a_inplace, ta, b_inplace, b_fused, slab, use_bias, relu, mask_mode);
-    slab: B's K-pass rows of this block's columns packed into the task's region before its tiles."""
+    ps, lda, ldb, ldc); mode = (alpha, beta, a_inplace, ta, b_inplace, b_fused, use_bias, relu, mask_mode)."""
     mr, nr = tile_dims(code)
     aflat, bp, bflat, cf, maskf, maskb, biasp = srcs
     pa, pb, npc, bp0 = passes
     m, n, k, mc, kc, nc, ps, lda, ldb, ldc = geo
-    alpha, beta, a_inplace, ta, inplace, fused, slab, use_bias, relu, mask_mode = mode
+    alpha, beta, a_inplace, ta, inplace, fused, use_bias, relu, mask_mode = mode
     a0, asize, b0 = task_parts(mc, kc, mr, nr)
     tile = region[:mr * nr]  # scratch from the workspace: an allocation per task costs ~0.5 us
     ap = region[a0:a0 + asize]
-    if fused or slab:
+    if fused:
         bp = region[b0:]
     njb = (n + nc - 1) // nc
     ib = t // njb
@@ -292,19 +284,10 @@ def _block_passes(code, scode, srcs, region, t, passes, geo, mode):
     ablk = (blk[0], tiles[0] * mr, blk[2], blk[3]) if tiles[1] else blk  # short tiles: nothing to pack
     for pi in range(pa, pb):
         kpass = (pi * kc, min(kc, k - pi * kc))
-        if slab:
-            pack_b_slab(bp, bflat, (blk[2], blk[3], kc), kpass, n, ldb, nr)
         pack_a_block(ap, aflat, ablk, kpass, (m, k, lda), alpha, ta, a_inplace, mr)
         flags = (a_inplace, ta, inplace, fused, beta != 0.0 or pi > 0, pi == npc - 1, use_bias, relu, mask_mode)
-        geo_b = ((m, n, k, b_panel(kc, nr), kpass[0], blk[2] // nr, lda, ldb, ldc) if slab else
-                 (m, n, k, ps, bp0, 0, lda, ldb, ldc))
-        nxt = (0, 0, 0, 0)
-        if slab and pi + 1 < npc:  # the block's next pass
-            nxt = ((pi + 1) * kc, min(kc, k - (pi + 1) * kc), blk[2], blk[3])
-        elif slab and blk[2] + nc < n:  # the next block's first (this thread's, as the tasks go in order)
-            nxt = (0, min(kc, k), blk[2] + nc, min(nc, n - blk[2] - nc))
-        _sweep_tiles(code, scode, (aflat, ap), (bp, bflat), (cf, maskf, maskb), tile, biasp, blk, kpass, geo_b, flags,
-                     nxt, tiles)
+        _sweep_tiles(code, scode, (aflat, ap), (bp, bflat), (cf, maskf, maskb), tile, biasp, blk, kpass,
+                     (m, n, k, ps, bp0, 0, lda, ldb, ldc), flags, tiles)
     if mask_mode & STREAM:
         store_fence()
 
@@ -402,13 +385,9 @@ def gemm_into(a, b, c, ta, tb, blocks, *, alpha=1.0, beta=0.0, bias=None, relu=F
     if _streams(c, k, beta, isa) if stream is None else (stream and _streamable(c, beta, isa)):
         mode |= STREAM
     (af, lda), (bf, ldb), (cf, ldc) = _storage(a), _storage(b), _storage(c)
-    slab = use_slab(tb, m, ldb, mc, mr, nr)
-    if slab:
-        nc = min(nc, slab_columns(min(kc, k), nr))
     npan = -(-n // nr)  # B's panels, the padded bias, then the tasks' regions
-    whole_b = 0 if slab else npan * (k * nr + 16)
-    need = whole_b + npan * nr + 16 + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, nc, mr, nr, slab)
-    flags = (bool(ta), bool(tb), bias is not None, bool(relu), mode, slab)
+    need = npan * (k * nr + 16) + npan * nr + 16 + -(-m // mc) * -(-n // nc) * task_floats(mc, kc, mr, nr)
+    flags = (bool(ta), bool(tb), bias is not None, bool(relu), mode)
     args = (af, bf, cf, _DUMMY if bias is None else bias, mf, mb, thread_buffer("ws", np.float32, need),
             (m, n, k, lda, ldb, ldc), (np.float32(alpha), np.float32(beta)), (mc, kc, nc), flags)
     kern = _kernel(isa)
@@ -430,17 +409,6 @@ def _storage(x):
         return x.reshape(x.size), w
     ld = x.strides[0] // x.itemsize
     return np.lib.stride_tricks.as_strided(x, shape=(max((r - 1) * ld + w, 0),), strides=(x.itemsize,)), ld
-
-
-def use_slab(tb, m, ldb, mc, mr, nr) -> bool:
-    """gemm_pack.slab_mode, from Python (ldb: B's row stride)."""
-    return bool(slab_mode(bool(tb), m, ldb, mc, mr, nr))
-
-
-def slab_columns(kc: int, nr: int) -> int:
-    """Columns of a task's B slab (slab_mode) of kc rows: the slab in half of L2, beside the A block
-    and C's tiles."""
-    return max(nr, host_target().l2 // 2 // (max(kc, 1) * 4) // nr * nr)
 
 
 def write_mask(c, mask_out):

@@ -14,7 +14,7 @@ from ..codegen.simd import tile_for
 from .gemm_blocking import BlockChoices, forward_transposed, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
 from .gemm_kernel import STREAM_KNOB, STREAM_MAX_K, gemm_into, stream_heuristic
-from .gemm_pack import b_in_place, slab_mode
+from .gemm_pack import b_in_place
 from .workspace import empty_aligned
 
 
@@ -54,8 +54,9 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     One K pass where one block holds all of C (small m: each B row is read once per column panel
     whatever kc is), each of A's rows is at most a 4 KiB page long and B is packed: passes would
     only add the C tiles' reload and store. A K of 2048 in one pass lost 10-40% on both tiles.
-    Except where B (k, n) is beyond half of L2: then each task packs its columns of B one pass at
-    a time (gemm_pack.slab_mode), and the passes give that slab rows of SLAB_ROW floats."""
+    Except where B (k, n) is beyond half of L2: then the driver packs it one K pass at a time
+    (gemm_kernel's by-pass packing), each pass of as many rows as PASS_ROW_BYTES-long rows half
+    of L2 holds (a 32-row dx of 1024 x 1024 on Zen 3: 4 passes, 10% faster than one)."""
     t = host_target()
     mr, nr, _ = tile_for(t.isa)
     kc0 = min(512, max(128, (2 * t.l1d) // (nr * 4) // 16 * 16))
@@ -70,11 +71,9 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
         return whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2
 
     if not (one_panel_dw or strided_b) and k * 4 <= PAGE and one_block(k):
-        slab = variant not in ("linear_forward", "linear_forward_t") and slab_mode(False, m, n, whole, mr, nr)
-        if slab and k * n * 4 > t.l2 // 2:
-            # B beyond half of L2 is packed a slab per pass (gemm_pack.slab_mode) with rows of
-            # SLAB_ROW floats: passes of as many rows as that slab has in half of L2
-            passes = -(-k // max(16, t.l2 // 2 // (SLAB_ROW * 4)))
+        packed = variant not in ("linear_forward", "linear_forward_t") and not b_in_place(False, m, n, mr, nr)
+        if packed and k * n * 4 > t.l2 // 2:
+            passes = -(-k // max(16, t.l2 // 2 // PASS_ROW_BYTES))
             return {"mc": whole, "kc": _round_to(-(-k // passes), 4)}
         return {"mc": whole, "kc": _round_to(k, 4)}
     passes = max(1, -(-k // kc0))
@@ -88,7 +87,7 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
 
 
 PAGE = 4096         # bytes of a page, the span of the hardware prefetchers' streams
-SLAB_ROW = 256      # floats of a B slab's row (gemm_kernel.slab_columns): 1 KiB runs to read and hint
+PASS_ROW_BYTES = 1024  # sizes the K passes of a packed B beyond half of L2 (heuristic_blocks)
 
 
 def _rows_in_pages(pages: int, row_bytes: int) -> int:

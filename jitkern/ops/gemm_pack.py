@@ -60,27 +60,16 @@ def a_panel(kc, mr):
 
 
 @jit()
-def task_floats(mc, kc, nc, mr, nr, slab):
+def task_floats(mc, kc, mr, nr):
     """Workspace floats of one C block's task, each part in whole cache lines: the edge tiles'
-    MR x NR scratch, its packed A block, and its B panels of kc rows: one for the fused pack, all
-    of its nc columns' for the slab."""
-    return task_parts(mc, kc, mr, nr)[2] + ((nc + nr - 1) // nr if slab else 1) * b_panel(kc, nr)
+    MR x NR scratch, its packed A block, and the B panel of kc rows of the fused pack."""
+    return task_parts(mc, kc, mr, nr)[2] + b_panel(kc, nr)
 
 
 @jit(inline="always")
 def b_panel(kc, nr):
-    """Floats from one B panel of a task's slab (or fused pack) to the next (see a_panel)."""
+    """Floats of a task's fused-pack B panel, in whole cache lines (see a_panel)."""
     return max(kc, 1) * nr + 16
-
-
-@jit(inline="always")
-def slab_mode(tb, m, ldb, mc, mr, nr):
-    """Whether each task packs its own columns of B per K pass (a slab) instead of the driver
-    packing B whole first: B is (k, n), packed (not b_in_place) and C is one row block, so each
-    of B's panels is read by one task only. The slab is rewritten in L2 (the blocking sizes it so),
-    and the next one is hinted while its tiles run: B packed whole is first read from memory,
-    its copy written to lines long evicted, with no FMA to overlap either."""
-    return not tb and m <= mc and not b_in_place(tb, m, ldb, mr, nr)
 
 
 @jit(inline="always")
@@ -104,20 +93,6 @@ def panel_row(dst, d, src, s, width, nr):
             dst[_u(d + r)] = src[_u(s + r)]
         for r in range(width, nr):
             dst[_u(d + r)] = 0.0
-
-
-@jit(inline="always")
-def pack_b_slab(bs, bflat, cols, kpass, n, ldb, nr):
-    """Rows p0 .. p0 + kcb - 1, columns j0 .. j0 + ncb - 1 of B (k, n), row stride ldb, into bs as
-    nr-wide k-major panels b_panel(kc, nr) apart (kc: a full pass; columns past n zeroed), in
-    memory order. cols = (j0, ncb, kc), kpass = (p0, kcb)."""
-    j0, ncb, kc = cols
-    p0, kcb = kpass
-    ps = b_panel(kc, nr)
-    for kk in range(kcb):
-        row = (p0 + kk) * ldb + j0
-        for q in range((ncb + nr - 1) // nr):
-            panel_row(bs, q * ps + kk * nr, bflat, row + q * nr, n - j0 - q * nr, nr)
 
 
 @jit(inline="always")
