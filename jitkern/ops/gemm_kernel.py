@@ -216,9 +216,9 @@ def _gemm_factory(spec: KernelSpec):
         # reads overlap the tiles of the panel before, where B packed whole is written out and read
         # back (a B read by rows gains nothing so: its panel's rows are a row stride apart)
         fused = tb and nib == 1
-        # A long K against a small C (a weight gradient: K is the batch) packs B one K pass at a
-        # time into one region that each pass rewrites while it is cached: B packed whole goes to
-        # lines long evicted, each store a miss to memory first; C's blocks, revisited per pass
+        # A long K against a small C (a weight gradient, whose K is the batch; a small batch's dx)
+        # packs B one K pass at a time into one region that each pass rewrites: B packed whole goes
+        # to lines long evicted, each store a miss to memory first; C's blocks, revisited per pass
         # instead, are the smaller operand
         by_pass = npc > 1 and not tb and not inplace and m < k
         ps = (kc if by_pass else k) * NR + 16  # panel stride, one cache line more than needed: panels
