@@ -158,22 +158,21 @@ def _sweep_tiles(code, scode, a_src, b_src, c_dst, tile, biasp, blk, kpass, geo,
             elif masking == MASK_BYTE:
                 prefetch_rows(maskb, coff, ldc, mrem, nrem)
             # one call site per tile code (each is inlined whole): edge tiles run in the scratch
-            rows = sr if short else mrem
-            whole = rows == (sr if short else mr) and nrem == nr
+            whole = (short or mrem == mr) and nrem == nr
             c_op = (cf, coff, ldc)
             if whole:
                 if not full_flags[4] & STREAM:  # streamed C lines are never read
-                    prefetch_c(cf, coff, ldc, rows, nr * 4)
+                    prefetch_c(cf, coff, ldc, mrem, nr * 4)
                 out, tile_flags = c_op, full_flags
             else:
-                _edge_in(tile, nr, c_op, load, rows, nrem)
+                _edge_in(tile, nr, c_op, load, mrem, nrem)
                 out, tile_flags = (tile, 0, nr), (load, epi, use_bias, relu, NO_MASK)
             if short:
                 fma_tile(scode, kcb, a_op, b_op, out, (biasp, jj), tile_flags, mask_op)
             else:
                 fma_tile(code, kcb, a_op, b_op, out, (biasp, jj), tile_flags, mask_op)
             if not whole:
-                _edge_out(tile, nr, c_op, masking, mask_op, rows, nrem)
+                _edge_out(tile, nr, c_op, masking, mask_op, mrem, nrem)
 
 
 # --------------------------------------------------------------------------- the driver
