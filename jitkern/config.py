@@ -6,8 +6,8 @@ JITKERN_TUNE_DB        path of the tuning DB file (default: <cache dir>/tune.jso
 JITKERN_NO_DISK_CACHE  1 disables numba's on-disk kernel cache
 JITKERN_ISA            generate code for a lower ISA than the host's: auto (default), avx512, avx2,
                        neon, scalar. Read once per process for numba's own loops (see codegen.target)
-JITKERN_CACHE_SIZES    stand in for another CPU's caches: a preset (zen3, zen4, skylake, skylake-sp),
-                       which brings that CPU's L2 prefetcher model too, or sizes such as
+JITKERN_CACHE_SIZES    stand in for another CPU's caches: a preset (zen3, zen4, skylake, skylake-sp,
+                       sapphire-rapids), which brings that CPU's L2 prefetcher model too, or sizes such as
                        "l1d=32K,l2=512K,l3=32M" (missing levels keep the host's)
 JITKERN_NO_TUNE        1 ignores the tuning DB (heuristic choices only)
 JITKERN_RANKS_PER_NODE ranks per node for sharding plans (default: MPI's shared-memory split)
@@ -27,9 +27,10 @@ CACHE_PRESETS = {
     "zen4": (32 << 10, 1 << 20, 32 << 20),
     "skylake": (32 << 10, 256 << 10, 8 << 20),          # client Skylake (AVX2)
     "skylake-sp": (32 << 10, 1 << 20, 22 << 20),        # Skylake-SP / Cascade Lake (AVX-512)
+    "sapphire-rapids": (48 << 10, 2 << 20, 105 << 20),  # Sapphire / Emerald Rapids (AVX-512, AMX)
 }
 # and the 4 KiB-page streams their L2 prefetchers follow at once (codegen.target.Target.page_streams)
-PRESET_PAGE_STREAMS = {"zen3": 0, "zen4": 0, "skylake": 32, "skylake-sp": 32}
+PRESET_PAGE_STREAMS = {"zen3": 0, "zen4": 0, "skylake": 32, "skylake-sp": 32, "sapphire-rapids": 32}
 
 
 @dataclass(frozen=True)

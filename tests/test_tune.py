@@ -8,10 +8,12 @@ import pytest
 
 from jitkern import info, tuning
 from jitkern.codegen import host_target, knobs, tune, tunedb
+from jitkern.codegen.simd import short_rows
 from jitkern.codegen.target import detected_target, page_streams_of
 from jitkern.config import CACHE_PRESETS, PRESET_PAGE_STREAMS, parse_cache_sizes
 from jitkern.ops import linear_backward, linear_forward
 from jitkern.ops import reference as ref
+from jitkern.ops.gemm_kernel import tail_tiles
 
 G = importlib.import_module("jitkern.ops.gemm")
 GB = importlib.import_module("jitkern.ops.gemm_knobs")
@@ -132,8 +134,10 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
     register tile high or the whole of C sits in half of L2; without the limit (AMD's) the strip
     is as tall as a quarter of L2 holds of the A block's rows; B read in place by
     more than two row tiles gives K passes of at most the rows of L2 (or 64), even where one pass
-    would do, by one or two a long K loop all the same; A's columns read in place (a C of one
-    column panel) at most the rows of L2; a block is never taller than C."""
+    would do, by one or two a long K loop all the same, except where the prefetchers follow page
+    streams: then B read in place by any number of row tiles takes passes of at most the rows of a
+    quarter of L2 and page_streams rows of hints per row tile; A's columns read in place (a C of
+    one column panel) at most the rows of L2 (a quarter there); a block is never taller than C."""
     mr, _, _ = GB.tile_shape()
     h = GB.heuristic_blocks(variant, m, n, k)
     mc, kc = h["mc"], h["kc"]
@@ -148,12 +152,15 @@ def test_heuristic_strided_streams(caches, variant, m, n, k):
         assert mc >= min((streams * rows_per_page if streams else l2_rows) - mr, l2_rows - mr, 512 // mr * mr)
     tb = variant.startswith("linear_forward")
     b_in_place = GB.b_in_place(tb, m, n, mr, GB.tile_shape()[1])
-    if b_in_place and k > 64 and m > 2 * mr:
-        assert kc <= max(64, caches.l2 // (n * 4))
-    if b_in_place and m <= 2 * mr and k >= 512:
+    reach = caches.l2 // 4 if streams else caches.l2  # of L2 for rows reread a stride apart
+    if b_in_place and k > 64 and (m > 2 * mr or streams):
+        assert kc <= max(64, reach // (n * 4))
+    if b_in_place and k > 64 and streams:  # a row tile's share of the next panel's hints
+        assert kc <= max(64, streams * sum(tail_tiles(m, mr, short_rows(caches.isa))))
+    if b_in_place and m <= 2 * mr and k >= 512 and not streams:
         assert kc >= 256
     if variant in ("linear_dw", "linear_dwt") and n <= GB.tile_shape()[1] and k > 64:  # A's columns in place
-        assert kc <= max(64, caches.l2 // (m * 4))  # their kc rows fit L2 even in the fewest sets
+        assert kc <= max(64, reach // (m * 4))  # their kc rows fit L2 even in the fewest sets
 
 
 def test_page_streams_follow_the_cpu(monkeypatch):
@@ -174,16 +181,18 @@ def test_page_streams_follow_the_cpu(monkeypatch):
 def test_a_small_c_takes_one_k_pass(caches):
     """One block holding all of a small C (a small batch's dx) takes K in one pass while A's rows
     are at most a page long and B is packed within half of L2 (or read in place by at most two row
-    tiles); a B packed beyond that goes in K passes of PASS_ROW_BYTES-long rows in half of L2; a longer K,
-    a C too tall for one block, or B's rows reread in place beyond what L2 holds keep several."""
+    tiles, where no page-limited prefetcher leaves it to the sweep's hints); a B packed beyond that
+    goes in K passes of PASS_ROW_BYTES-long rows in half of L2; a longer K, a C too tall for one
+    block, or B's rows reread in place keep passes of the rows L2 holds (a quarter of it on Intel)."""
     mr, nr, _ = GB.tile_shape()
     kmax = GB.PAGE // 4
     for m, n, k in ((32, 1024, kmax), (32, 479, kmax), (12, 512, kmax // 2 + 4), (2 * mr, 1024, kmax),
                     (32, 512, 128)):
         h = GB.heuristic_blocks("linear_dx", m, n, k)
         whole = GB._round_to(m, mr)
-        reread = GB.b_in_place(False, m, n, mr, nr) and m > 2 * mr and k * n * 4 > caches.l2
-        by_pass = not GB.b_in_place(False, m, n, mr, nr) and k * n * 4 > caches.l2 // 2
+        in_place = GB.b_in_place(False, m, n, mr, nr)
+        reread = in_place and (m > 2 * mr or caches.page_streams > 0)  # by several tiles, or hinted
+        by_pass = not in_place and k * n * 4 > caches.l2 // 2
         if whole * k * 4 <= caches.l2 * 3 // 4 and m * n * 4 <= caches.l2 // 2 and by_pass:
             rows = caches.l2 // 2 // GB.PASS_ROW_BYTES
             # passes of at most that many rows (kc rounded up to whole vectors' worth of 4), the fewest
@@ -191,7 +200,8 @@ def test_a_small_c_takes_one_k_pass(caches):
         elif whole * k * 4 <= caches.l2 * 3 // 4 and m * n * 4 <= caches.l2 // 2 and not reread:
             assert h == {"mc": whole, "kc": k}, (m, n, k, h)
         elif reread:
-            assert h["mc"] == whole and h["kc"] < k and h["kc"] <= max(64, caches.l2 // (n * 4)), (m, n, k, h)
+            reach = caches.l2 // 4 if caches.page_streams else caches.l2
+            assert h["mc"] == whole and h["kc"] <= min(k, max(64, reach // (n * 4))), (m, n, k, h)
         else:
             assert caches.l2 < 512 << 10, "Zen 3's and Zen 4's caches hold these blocks"
     assert GB.heuristic_blocks("linear_dx", 32, 1024, 2 * kmax)["kc"] < 2 * kmax

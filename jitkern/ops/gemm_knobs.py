@@ -10,10 +10,10 @@ import numpy as np
 
 from ..codegen import host_target, target_isa
 from ..codegen.knobs import knob, on_threads, pow2_class
-from ..codegen.simd import tile_for
+from ..codegen.simd import short_rows, tile_for
 from .gemm_blocking import BlockChoices, forward_transposed, layer_problems, split_for_threads
 from .gemm_blocking import round_to as _round_to
-from .gemm_kernel import STREAM_KNOB, STREAM_MAX_K, gemm_into, stream_heuristic
+from .gemm_kernel import STREAM_KNOB, STREAM_MAX_K, gemm_into, stream_heuristic, tail_tiles
 from .gemm_pack import b_in_place
 from .workspace import empty_aligned
 
@@ -38,7 +38,14 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     ran at 35 GF/s with kc = 64, 71 with 256-512), and where A's columns are (a C of one column panel), the next row tiles
     reread the lines of those kc rows: either way they must stay in L2 even when their stride maps
     them to the same sets (kc x the row stride <= L2: dx 32 x 1024 x 1024 from L3 ran at 66 GF/s
-    in one K pass, 95 in passes of 256 rows, on Zen 4). kc is then split evenly over K.
+    in one K pass, 95 in passes of 256 rows, on Zen 4). Where the L2 prefetchers follow only page
+    streams (Target.page_streams, Intel's), nothing but the sweep's hints brings B's rows read in
+    place, by any number of row tiles: such rows stay within a quarter of L2, and each row tile's
+    share of the next panel's hints within page_streams rows (Emerald Rapids, 4 KiB rows: a dwt of
+    100 x 1024 x 2048 ran at 104 GF/s with kc = 512, 162 with 128; a 32-row dx of 1024 x 1024 at
+    81 and 138; 13 x 512 x 2048, 2 KiB rows, at 71-78 and 96-101 with 64-128); A's columns too
+    stay within a quarter of L2 there (AVX2 dw 512 x 13 x 2048: 55 with 512, 58 with 256).
+    kc is then split evenly over K.
 
     mc: the mc x kc A block (packed, or rows read in place) in a quarter of L2, which it shares
     with the B micro-panels and C: it is reused over every column panel of its C block. A sweep
@@ -61,16 +68,21 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     mr, nr, _ = tile_for(t.isa)
     kc0 = min(512, max(128, (2 * t.l1d) // (nr * 4) // 16 * 16))
     one_panel_dw = variant in ("linear_dw", "linear_dwt") and n <= nr  # A's columns read in place
-    strided_b = b_in_place(variant in ("linear_forward", "linear_forward_t"), m, n, mr, nr) and m > 2 * mr
-    for reread, row_floats in ((one_panel_dw, m), (strided_b, n)):  # kc rows of A's columns, of B
+    in_place_b = b_in_place(variant in ("linear_forward", "linear_forward_t"), m, n, mr, nr)
+    strided_b = in_place_b and m > 2 * mr
+    hinted_b = in_place_b and t.page_streams > 0
+    reach = t.l2 // 4 if t.page_streams else t.l2  # of L2, for rows reread a stride apart
+    for reread, row_floats in ((one_panel_dw, m), (strided_b or hinted_b, n)):  # kc rows of A's columns, of B
         if reread:
-            kc0 = min(kc0, max(64, t.l2 // (row_floats * 4) // 16 * 16))
+            kc0 = min(kc0, max(64, reach // (row_floats * 4) // 16 * 16))
+    if hinted_b:  # each row tile hints kc / tiles of the next panel's rows
+        kc0 = min(kc0, max(64, t.page_streams * sum(tail_tiles(m, mr, short_rows(t.isa))) // 16 * 16))
     whole = _round_to(m, mr)
 
     def one_block(kc):  # all rows' A block in 3/4 of L2, all of C in half
         return whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2
 
-    if not (one_panel_dw or strided_b) and k * 4 <= PAGE and one_block(k):
+    if not (one_panel_dw or strided_b or hinted_b) and k * 4 <= PAGE and one_block(k):
         packed = variant not in ("linear_forward", "linear_forward_t") and not b_in_place(False, m, n, mr, nr)
         if packed and k * n * 4 > t.l2 // 2:
             passes = -(-k // max(16, t.l2 // 2 // PASS_ROW_BYTES))
