@@ -36,7 +36,6 @@ def test_is_the_derivative_of_the_weighted_forward():
     w = rng.standard_normal((20, 8)).astype(np.float32)
     idx = rng.integers(0, 20, 12)
     off = np.array([0, 5, 5, 9], np.int64)
-    psw = rng.uniform(0.5, 2, 12).astype(np.float32)
     dout = rng.standard_normal((4, 8)).astype(np.float32)
     g = ops.embedding_bag_per_sample_weights_backward(w, idx, off, dout)
     for j in range(12):

@@ -8,7 +8,6 @@ import gzip
 import re
 import shutil
 import tempfile
-import zlib
 from pathlib import Path
 
 import numpy as np

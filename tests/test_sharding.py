@@ -303,11 +303,11 @@ def test_measured_dense_stages_are_medians_with_their_spread():
     assert table_traffic(CONFIGS["paper-small"], 32) == 32 * 100 * 8 * 64 * 4 * 2
     got = measure_dense(CONFIGS["tiny"], [8, 16], reps=3)
     assert sorted(got) == [8, 16]
-    for st in got.values():
-        assert isinstance(st, DenseStages) and st.sd >= 0 and "top_fwd" in st
-        assert st.sd == st.spread(1) and len(st.steps) == len(st.updates) >= 3
-        assert st.spread(64) == step_spread(st.steps + st.updates / 64)
-        assert not any(k.startswith("embedding") for k in st)
+    for stages in got.values():
+        assert isinstance(stages, DenseStages) and stages.sd >= 0 and "top_fwd" in stages
+        assert stages.sd == stages.spread(1) and len(stages.steps) == len(stages.updates) >= 3
+        assert stages.spread(64) == step_spread(stages.steps + stages.updates / 64)
+        assert not any(k.startswith("embedding") for k in stages)
     # the spread is the bulk's: one step slowed by another process does not set it
     steps = [10.0, 10.2, 9.8, 10.1, 9.9, 10.0, 17.0]
     assert step_spread(steps) == pytest.approx(1.4826 * 0.1) and np.std(steps) > 2.0
@@ -329,8 +329,8 @@ def test_ranks_sharing_a_machine_are_predicted_from_stages_timed_side_by_side():
     from jitkern.dlrm.scale import measure_and_predict
     cfg = CONFIGS["kaggle"]
     stages = {b: DenseStages(dense_estimate(cfg.bottom, [cfg.dim + 351] + list(cfg.top), b)) for b in (1024, 2048)}
-    for st in stages.values():
-        st.sd = 0.0
+    for dense in stages.values():
+        dense.sd = 0.0
     slower = DenseStages({k: 1.5 * v for k, v in stages[1024].items()})
     slower.sd = 0.0
     kw = dict(bandwidth_gbs=10.0, latency_us=1.0, per_rank_batch=2048, kinds="column", rates=Rates(),
