@@ -137,12 +137,13 @@ def _watch(size: int, host: str, ranks: dict) -> int:
     # a goodbye anywhere (a normal end under way, an exception reported, mpiexec killing the
     # rest after an abort) explains what follows: only a death in silence is reported
     goodbye |= any(GOODBYE in _drain(line)[0] for _, line in ranks.values())
-    if not goodbye:
+    if not goodbye:  # several ended by the time we looked (mpiexec kills the rest at once): name them all
         ended = sorted(set(ended))
-        r = ended[0]
-        also = f" (ranks {', '.join(map(str, ended))} ended together)" if len(ended) > 1 else ""
-        sys.stderr.write(f"jitkern: rank {r} of {size} (pid {ranks[r][0]} on {host}) died without an error "
-                         f"(killed by a signal?){also}\n")
+        pids = ", ".join(str(ranks[r][0]) for r in ended)
+        who = (f"rank {ended[0]} of {size} (pid {pids} on {host})" if len(ended) == 1 else
+               f"one of ranks {', '.join(map(str, ended))} of {size} (pids {pids} on {host}, which ended "
+               f"before this watcher saw which went first)")
+        sys.stderr.write(f"jitkern: {who} died without an error (killed by a signal?)\n")
         sys.stderr.flush()
     return 0
 
