@@ -202,6 +202,23 @@ def test_sharded_checkpoint_without_manifest_is_an_error(tmp_path):
         read_manifest(str(tmp_path))
 
 
+def _watch(size, ranks, lines, procs):
+    """Run the peer watcher over {rank: (pid, read end)} of `lines`, then kill `procs` and close the
+    read ends."""
+    from jitkern.dlrm import peer_watch
+    try:
+        return subprocess.run([sys.executable, "-I", peer_watch.__file__, str(size), "hostA"]
+                              + [f"{r}:{pid}:{fd}" for r, (pid, fd) in ranks.items()],
+                              capture_output=True, text=True, timeout=20, pass_fds=[rd for rd, _ in lines])
+    finally:
+        for p in procs:
+            if p is not None:
+                p.kill()
+                p.wait()
+        for rd, _ in lines:
+            os.close(rd)
+
+
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux-only")
 @pytest.mark.parametrize("goodbye", [False, True])
 @pytest.mark.parametrize("by", ["line", "pid"])
@@ -218,17 +235,7 @@ def test_peer_watcher_names_the_rank_that_ends_silently(goodbye, by):
         os.write(lines[1][1], peer_watch.GOODBYE)
     for _, w in lines:
         os.close(w)
-    try:
-        r = subprocess.run([sys.executable, "-I", peer_watch.__file__, "2", "hostA",
-                            f"0:{long.pid}:{lines[0][0]}", f"1:{short.pid}:{lines[1][0]}"],
-                           capture_output=True, text=True, timeout=20, pass_fds=[lines[0][0], lines[1][0]])
-    finally:
-        for p in (long, short, holder):
-            if p is not None:
-                p.kill()
-                p.wait()
-        for rd, _ in lines:
-            os.close(rd)
+    r = _watch(2, {0: (long.pid, lines[0][0]), 1: (short.pid, lines[1][0])}, lines, (long, short, holder))
     assert r.returncode == 0, r.stderr
     said = f"jitkern: rank 1 of 2 (pid {short.pid} on hostA) died without an error"
     assert (said in r.stderr) != goodbye, r.stderr
@@ -239,23 +246,13 @@ def test_peer_watcher_names_the_rank_that_ends_silently(goodbye, by):
 def test_peer_watcher_orders_ends_by_life_line_not_by_process_exit():
     # rank 1's line closes first while its process lingers (as a large process tears down its
     # memory after closing its files); rank 0 then ends completely: rank 1 is the one named
-    from jitkern.dlrm import peer_watch
 
     lines = [os.pipe(), os.pipe()]
     first = subprocess.Popen(["sleep", "30"])                               # rank 1: lingers
     second = subprocess.Popen(["sleep", "5"], pass_fds=[lines[0][1]])        # rank 0: ends later, at once
     for _, w in lines:
         os.close(w)                                                         # rank 1's line: closed now
-    try:
-        r = subprocess.run([sys.executable, "-I", peer_watch.__file__, "2", "hostA",
-                            f"0:{second.pid}:{lines[0][0]}", f"1:{first.pid}:{lines[1][0]}"],
-                           capture_output=True, text=True, timeout=20, pass_fds=[lines[0][0], lines[1][0]])
-    finally:
-        for p in (first, second):
-            p.kill()
-            p.wait()
-        for rd, _ in lines:
-            os.close(rd)
+    r = _watch(2, {0: (second.pid, lines[0][0]), 1: (first.pid, lines[1][0])}, lines, (first, second))
     assert r.returncode == 0, r.stderr
     assert f"jitkern: rank 1 of 2 (pid {first.pid} on hostA) died without an error" in r.stderr, r.stderr
     assert "one of ranks" not in r.stderr
@@ -265,7 +262,6 @@ def test_peer_watcher_orders_ends_by_life_line_not_by_process_exit():
 def test_peer_watcher_names_every_rank_that_ended_before_it_looked():
     # both ranks gone, lines closed, by the time the watcher starts (a busy host): no one of them
     # can be told to have gone first, so the report names both, neither alone
-    from jitkern.dlrm import peer_watch
 
     lines = [os.pipe(), os.pipe()]
     procs = [subprocess.Popen(["true"]), subprocess.Popen(["true"])]
@@ -273,13 +269,7 @@ def test_peer_watcher_names_every_rank_that_ended_before_it_looked():
         p.wait()
     for _, w in lines:
         os.close(w)
-    try:
-        r = subprocess.run([sys.executable, "-I", peer_watch.__file__, "3", "hostA",
-                            f"0:{procs[0].pid}:{lines[0][0]}", f"2:{procs[1].pid}:{lines[1][0]}"],
-                           capture_output=True, text=True, timeout=20, pass_fds=[lines[0][0], lines[1][0]])
-    finally:
-        for rd, _ in lines:
-            os.close(rd)
+    r = _watch(3, {0: (procs[0].pid, lines[0][0]), 2: (procs[1].pid, lines[1][0])}, lines, ())
     assert r.returncode == 0, r.stderr
     said = (f"jitkern: one of ranks 0, 2 of 3 (pids {procs[0].pid}, {procs[1].pid} on hostA, which ended before "
             "this watcher saw which went first) died without an error (killed by a signal?)")
