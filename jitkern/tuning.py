@@ -2,7 +2,7 @@
 
     python -m jitkern tune                      # the DLRM configs' shapes (kaggle, mlperf, paper-small)
     python -m jitkern tune --quick              # a small candidate set (seconds)
-    python -m jitkern tune --precision bf16     # the bf16 GEMMs' blocks too (fp32 only by default)
+    python -m jitkern tune --precision bf16     # a bf16 model's GEMM blocks and bf16 tables' knobs too
     python -m jitkern tune --config kaggle --batch 2048 --knob 'gemm.*' 479,1024
 
 Entries are stored in the tuning DB under this CPU's key (see `python -m jitkern info`); kernels
@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="thread count to tune for (default: numba's)")
     p.add_argument("--quick", action="store_true", help="a small candidate set")
     p.add_argument("--precision", action="append", choices=("fp32", "bf16"),
-                   help="GEMM precisions to tune (repeatable; default fp32: what the DLRM configs run)")
+                   help="model precisions to tune (repeatable; default fp32: what the DLRM configs run); "
+                        "bf16: bf16 GEMMs and bf16 (Split-SGD) tables")
     p.add_argument("--knob", default="*", help="tune only knobs matching this glob (e.g. 'gemm.*')")
     p.add_argument("--list", action="store_true", help="list the declared knobs and exit")
     args = p.parse_args(argv)
@@ -65,8 +66,9 @@ def main(argv=None) -> int:
                           precisions=precisions)
     if not (args.only and args.layers):
         for name in args.config or DEFAULT_CONFIGS:
-            for precision in precisions:
-                work = work.merged(CONFIGS[name].workload(args.batch, threads, precision=precision))
+            for precision in precisions:  # a bf16 model's tables are bf16 too (DLRM(precision="bf16"))
+                itemsize = 2 if precision == "bf16" else 4
+                work = work.merged(CONFIGS[name].workload(args.batch, threads, itemsize, precision=precision))
     print(f"tuning for {tunedb.db_key()} -> {get_config().tune_db}")
     t0 = time.perf_counter()
     results = tune.tune(work, quick=args.quick, select=args.knob)

@@ -283,6 +283,11 @@ def test_tuner_stores_entries_and_info_lists_them(db, capsys):
     assert tuning.main(["--quick", "--only", "7->5", "--batch", "8", "--knob", "gemm.*"]) == 0
     assert tuning.main(["--quick", "--only", "7->5", "--batch", "8", "--knob", "gemm.bf16.*", "--precision", "bf16"]) == 0
     assert "gemm.bf16.blocks.linear_forward" in tunedb.entries()
+    assert "embedding.bf16.layout" not in tunedb.entries()
+    # a bf16 config's tables are bf16 (Split-SGD) tables, as the model's own --autotune tunes them
+    assert tuning.main(["--quick", "--config", "tiny", "--batch", "8", "--knob", "embedding.bf16.layout",
+                        "--precision", "bf16"]) == 0
+    assert "embedding.bf16.layout" in tunedb.entries()
     assert tuning.main(["--list"]) == 0 and "gemm.blocks.linear_forward" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         tuning.main(["bad"])
