@@ -8,6 +8,12 @@ time split and 1.11x as pairs, the forward the same time in both. But a forward 
 and on a table the caches could hold, pairs spread its hi lines over twice the sets and the
 adjacent-line prefetches fetch lo lines it never reads: at R=3e4 (15 MB) the pairs forward took
 1.5x the split one, at R=1e5 1.2x, from R=1e6 (512 MB) on both the same.
+
+That was AMD's core. On an Intel Emerald Rapids split won at every size: forward + Split-SGD at
+R=1e7 D=128 pooling 20 2.16-2.40 ms split against 2.49-2.70 ms pairs, on 2 MiB or 4 KiB pages
+alike (no walk to save), at R=1e6 1.71-1.76 against 2.19-2.21. Pairs are the heuristic's only
+where the prefetchers are AMD's (Target.page_streams 0, the model of the CPU's prefetching we have);
+the tuner decides elsewhere.
 """
 from __future__ import annotations
 
@@ -21,10 +27,11 @@ PAIRS_FROM_L3 = 8  # tables (both halves) beyond this many last-level caches are
 
 
 def _heuristic(problem) -> dict:
-    """Pairs for a table of PAIRS_FROM_L3 last-level caches or more: its rows come from memory in
-    either layout (so the forward loses nothing), and its pages are many."""
+    """Pairs for a table of PAIRS_FROM_L3 last-level caches or more on AMD's cores: its rows come
+    from memory in either layout (so the forward loses nothing), and its pages are many."""
     rows, dim = problem[0], problem[1]
-    return {"layout": "pairs" if 4 * rows * dim >= PAIRS_FROM_L3 * host_target().l3 else "split"}
+    t = host_target()
+    return {"layout": "pairs" if t.page_streams == 0 and 4 * rows * dim >= PAIRS_FROM_L3 * t.l3 else "split"}
 
 
 def _candidates(problem, quick):
