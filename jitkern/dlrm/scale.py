@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-
 from .. import set_num_threads
 from ..config import sleep_idle_workers
 from ..report import print_table

@@ -68,7 +68,8 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
     mr, nr, _ = tile_for(t.isa)
     kc0 = min(512, max(128, (2 * t.l1d) // (nr * 4) // 16 * 16))
     one_panel_dw = variant in ("linear_dw", "linear_dwt") and n <= nr  # A's columns read in place
-    in_place_b = b_in_place(variant in ("linear_forward", "linear_forward_t"), m, n, mr, nr)
+    forward = variant in ("linear_forward", "linear_forward_t")  # B transposed: packed
+    in_place_b = b_in_place(forward, m, n, mr, nr)
     strided_b = in_place_b and m > 2 * mr
     hinted_b = in_place_b and t.page_streams > 0
     reach = t.l2 // 4 if t.page_streams else t.l2  # of L2, for rows reread a stride apart
@@ -83,8 +84,7 @@ def heuristic_blocks(variant: str, m: int, n: int, k: int, threads: int = 1) -> 
         return whole * kc * 4 <= t.l2 * 3 // 4 and m * n * 4 <= t.l2 // 2
 
     if not (one_panel_dw or strided_b or hinted_b) and k * 4 <= PAGE and one_block(k):
-        packed = variant not in ("linear_forward", "linear_forward_t") and not b_in_place(False, m, n, mr, nr)
-        if packed and k * n * 4 > t.l2 // 2:
+        if not (forward or in_place_b) and k * n * 4 > t.l2 // 2:
             passes = -(-k // max(16, t.l2 // 2 // PASS_ROW_BYTES))
             return {"mc": whole, "kc": _round_to(-(-k // passes), 4)}
         return {"mc": whole, "kc": _round_to(k, 4)}
